@@ -1,0 +1,181 @@
+"""Typed settings of the engine: model, data, rollout, actor, critic, ref, algorithm, reward.
+
+One source of defaults: these models. YAML files in configs/ and `key=value` overrides only change
+them; `flows.config.RLConfig` composes them with the storage, ray and trainer sections and runs the
+checks that span sections.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are refused, values are checked on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class ModelConfig(Section):
+    path: str = Field(
+        "tiny",
+        description="a local Hugging Face model directory, a hub id (when online), or 'tiny': the "
+        "project's own small model, built for data.task on first use and cached",
+    )
+    tokenizer_path: str | None = Field(None, description="defaults to path")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    trust_remote_code: bool = False
+    tiny_seed: int = Field(0, ge=0, description="seed of the built tiny model")
+
+
+class DataConfig(Section):
+    train_files: list[str] = Field(
+        default_factory=list,
+        description="parquet / jsonl files or `datasets` directories in verl's layout; empty: the "
+        "synthetic data.task, generated on first use",
+    )
+    val_files: list[str] = Field(default_factory=list)
+    task: str = Field("arith", description="synthetic task used when train_files is empty")
+    train_size: int = Field(2000, gt=0, description="rows of the synthetic train split")
+    val_size: int = Field(128, gt=0, description="rows of the synthetic validation split")
+    prompt_key: str = "prompt"
+    max_prompt_length: int = Field(48, gt=0, description="prompts longer than this (tokens) are dropped")
+    train_batch_size: int = Field(8, gt=0, description="prompts per iteration")
+    val_batch_size: int = Field(64, gt=0)
+    shuffle: bool = True
+    seed: int = Field(0, ge=0)
+
+
+class RolloutConfig(Section):
+    name: Literal["hf", "vllm"] = "hf"
+    n: int = Field(8, ge=1, description="responses per prompt (the group size)")
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    max_new_tokens: int = Field(16, gt=0)
+    val_do_sample: bool = Field(False, description="validation decodes greedily unless set")
+    micro_batch_size: int = Field(64, gt=0, description="sequences per generate call per rank")
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    grad_clip: float = Field(1.0, gt=0)
+    ppo_epochs: int = Field(1, ge=1)
+    mini_batch_size: int = Field(64, gt=0, description="sequences per optimizer step")
+    micro_batch_size: int = Field(16, gt=0, description="sequences per forward/backward per rank")
+
+
+class ActorConfig(OptimConfig):
+    policy_loss: str = Field("ppo_clip", description="a name in engine.algos.POLICY_LOSSES")
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.2, ge=0)
+    clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip constant for negative advantages")
+    loss_agg_mode: str = "token-mean"
+    use_kl_loss: bool = False
+    kl_loss_coef: float = Field(0.001, ge=0)
+    kl_loss_type: str = Field("k3", description="a KL estimator name: k1, abs, k2, k3")
+    entropy_coeff: float = Field(0.0, ge=0)
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _known_policy_loss(cls, v: str) -> str:
+        return _one_of(v, _policy_losses())
+
+    @field_validator("loss_agg_mode")
+    @classmethod
+    def _known_agg_mode(cls, v: str) -> str:
+        return _one_of(v, _agg_modes())
+
+    @field_validator("kl_loss_type")
+    @classmethod
+    def _known_kl(cls, v: str) -> str:
+        return _one_of(v, _kl_estimators())
+
+
+class CriticConfig(OptimConfig):
+    enable: bool = False
+    model_path: str | None = Field(None, description="defaults to model.path (trunk + a new value head)")
+    lr: float = Field(1e-5, gt=0)
+    clip_range_value: float = Field(0.5, gt=0)
+    loss_agg_mode: str = "token-mean"
+
+    @field_validator("loss_agg_mode")
+    @classmethod
+    def _known_agg_mode(cls, v: str) -> str:
+        return _one_of(v, _agg_modes())
+
+
+class RefConfig(Section):
+    micro_batch_size: int = Field(32, gt=0, description="sequences per forward per rank")
+
+
+class AlgorithmConfig(Section):
+    adv_estimator: str = Field("grpo", description="a name in engine.algos.ADV_ESTIMATORS")
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)
+    norm_adv_by_std: bool = Field(True, description="GRPO: divide by the group std (False is Dr.GRPO)")
+    use_kl_in_reward: bool = False
+    kl_penalty: str = Field("k1", description="KL estimator for the in-reward penalty")
+    kl_ctrl: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = Field(0.001, ge=0)
+    kl_target: float = Field(0.1, gt=0, description="adaptive controller target KL")
+    kl_horizon: int = Field(10000, gt=0, description="adaptive controller horizon")
+
+    @field_validator("adv_estimator")
+    @classmethod
+    def _known_estimator(cls, v: str) -> str:
+        return _one_of(v, _adv_estimators())
+
+    @field_validator("kl_penalty")
+    @classmethod
+    def _known_kl(cls, v: str) -> str:
+        return _one_of(v, _kl_estimators())
+
+
+class RewardConfig(Section):
+    function: str | None = Field(
+        None,
+        description="a custom reward 'module:function' or 'path/to/file.py:function'; "
+        "default: the registry, dispatched on each row's data_source",
+    )
+    chunk_size: int = Field(64, gt=0, description="rows per parallel scoring task")
+    sandbox_timeout_s: float = Field(5.0, gt=0, description="wall clock for rewards that run code")
+    sandbox_memory_mb: int = Field(256, gt=0, description="address-space cap for rewards that run code")
+
+
+def _one_of(value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"must be one of {', '.join(allowed)}")
+    return value
+
+
+# The registries live in engine.algos (which imports torch); looked up only when a value is checked.
+def _adv_estimators() -> tuple[str, ...]:
+    from engine.algos import ADV_ESTIMATORS
+
+    return tuple(ADV_ESTIMATORS)
+
+
+def _policy_losses() -> tuple[str, ...]:
+    from engine.algos import POLICY_LOSSES
+
+    return tuple(POLICY_LOSSES)
+
+
+def _agg_modes() -> tuple[str, ...]:
+    from engine.algos import LOSS_AGG_MODES
+
+    return tuple(LOSS_AGG_MODES)
+
+
+def _kl_estimators() -> tuple[str, ...]:
+    from engine.algos import KL_ESTIMATORS
+
+    return tuple(KL_ESTIMATORS)

@@ -1,0 +1,229 @@
+"""The run config: the sections of every layer composed, loaded from YAML, overridden with dotted keys.
+
+    cfg = load_config("configs/tiny_grpo.yaml", ["actor.lr=1e-5", "algorithm.adv_estimator=gae"])
+
+Every error — unknown key, wrong type, out-of-range value, sections that disagree — is raised as one
+`ConfigError` whose message names the key, the value and what is allowed, before anything starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from engine.config import (
+    ActorConfig,
+    AlgorithmConfig,
+    CriticConfig,
+    DataConfig,
+    ModelConfig,
+    RefConfig,
+    RewardConfig,
+    RolloutConfig,
+)
+from engine.errors import ConfigError
+from infra.config import RayConfig, StorageConfig
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_grpo.yaml"
+
+
+class TrainerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    project: str = "rlflow"
+    run_id: str | None = Field(None, description="default: <project>-<timestamp>")
+    total_iterations: int = Field(20, gt=0)
+    iterations_per_run: int | None = Field(None, gt=0, description="a scheduled run does this many")
+    save_every: int = Field(10, gt=0)
+    val_every: int = Field(5, ge=0, description="0: no validation")
+    world_size: int = Field(2, gt=0, description="policy ranks (processes)")
+    device: str = Field("cpu", pattern=r"^(cpu|cuda|auto)$")
+    seed: int = Field(0, ge=0)
+    export_at_end: bool = True
+    stage_timeout_s: float = Field(1800.0, gt=0, description="a stage running longer fails")
+
+
+class RLConfig(BaseModel):
+    """The whole run config. Sections are owned by their layers; the checks across sections live here."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    ref: RefConfig = Field(default_factory=RefConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    @model_validator(mode="after")
+    def _sections_agree(self) -> RLConfig:
+        from engine.algos import get_adv_estimator
+
+        ranks = self.trainer.world_size
+        per_iter = self.data.train_batch_size * self.rollout.n
+        if per_iter % ranks:
+            raise _cross(
+                "data.train_batch_size",
+                self.data.train_batch_size,
+                f"train_batch_size x rollout.n ({per_iter}) must be divisible by trainer.world_size ({ranks})",
+            )
+        for section in ("actor", "critic"):
+            mini = getattr(self, section).mini_batch_size
+            if mini % ranks:
+                raise _cross(
+                    f"{section}.mini_batch_size",
+                    mini,
+                    f"must be divisible by trainer.world_size ({ranks})",
+                )
+        spec = get_adv_estimator(self.algorithm.adv_estimator)
+        if spec.group_based and self.rollout.n < 2:
+            raise _cross(
+                "rollout.n",
+                self.rollout.n,
+                f"algorithm.adv_estimator={spec.name} compares responses within a group: needs rollout.n >= 2",
+            )
+        if spec.needs_values and not self.critic.enable:
+            raise _cross(
+                "algorithm.adv_estimator",
+                spec.name,
+                "needs a critic for its values: set critic.enable=true, or use a critic-free estimator",
+            )
+        return self
+
+    @property
+    def needs_ref(self) -> bool:
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    def public_dict(self) -> dict[str, Any]:
+        """JSON-able, credentials left out: what run.json, logs and Prefect parameters may hold."""
+        data = self.model_dump(mode="json")
+        data["storage"].pop("access_key_id", None)
+        data["storage"].pop("secret_access_key", None)
+        return data
+
+    def config_hash(self) -> str:
+        """sha256 of the public config, canonical JSON."""
+        blob = json.dumps(self.public_dict(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+
+class _CrossSectionError(ValueError):
+    def __init__(self, key: str, value: Any, allowed: str) -> None:
+        super().__init__(allowed)
+        self.key, self.value, self.allowed = key, value, allowed
+
+
+def _cross(key: str, value: Any, allowed: str) -> _CrossSectionError:
+    return _CrossSectionError(key, value, allowed)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RLConfig:
+    """Read a YAML config (default: configs/tiny_grpo.yaml), apply `key=value` overrides, validate."""
+    source = Path(path) if path is not None else DEFAULT_CONFIG
+    raw = _read_yaml(source)
+    for item in overrides:
+        key, value = _parse_override(item)
+        _set_dotted(raw, key, value)
+    return build_config(raw)
+
+
+def build_config(raw: dict[str, Any]) -> RLConfig:
+    """Validate a nested dict into an RLConfig, turning any failure into one ConfigError line."""
+    _check_keys(raw)
+    try:
+        return RLConfig.model_validate(raw)
+    except ValidationError as err:
+        raise _config_error(err, raw) from None
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not key=value (for example actor.lr=1e-5)")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    # YAML 1.1 reads "1e-5" as a string; pydantic then parses it as the field's type, so keep the text.
+    if isinstance(value, str):
+        value = text
+    return key, value
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"override key {key!r} must be section.field (for example actor.lr); sections: "
+                          + ", ".join(RLConfig.model_fields))
+    section, field = parts
+    _known_key(section, field)
+    node = raw.setdefault(section, {})
+    if not isinstance(node, dict):
+        raise ConfigError(f"config section {section!r} must be a mapping, got {node!r}")
+    node[field] = value
+
+
+def _check_keys(raw: dict[str, Any]) -> None:
+    for section, body in raw.items():
+        if section not in RLConfig.model_fields:
+            _known_key(section, None)
+        if isinstance(body, dict):
+            for field in body:
+                _known_key(section, field)
+
+
+def _known_key(section: str, field: str | None) -> None:
+    sections = RLConfig.model_fields
+    if section not in sections:
+        raise ConfigError(f"{section} is not a config section; allowed: {', '.join(sections)}")
+    if field is None:
+        return
+    model = sections[section].annotation
+    fields = model.model_fields  # type: ignore[union-attr]
+    if field not in fields:
+        raise ConfigError(f"{section}.{field} is not a known key; {section} has: {', '.join(fields)}")
+
+
+def _config_error(err: ValidationError, raw: dict[str, Any]) -> ConfigError:
+    first = err.errors()[0]
+    ctx = first.get("ctx") or {}
+    cross = ctx.get("error")
+    if isinstance(cross, _CrossSectionError):
+        return ConfigError(f"{cross.key}={cross.value!r} is not allowed: {cross.allowed}")
+    loc = [str(p) for p in first["loc"]]
+    key = ".".join(loc[:2]) if loc else "config"
+    value = _lookup(raw, loc[:2])
+    message = first["msg"].removeprefix("Value error, ")
+    return ConfigError(f"{key}={value!r} is not allowed: {message}")
+
+
+def _lookup(raw: dict[str, Any], loc: list[str]) -> Any:
+    node: Any = raw
+    for part in loc:
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node

@@ -1,0 +1,36 @@
+"""Typed settings of the infrastructure layer: object storage and the Ray connection."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class StorageConfig(_Section):
+    root: str = Field("./runs", description="fsspec URL of the storage root: a folder or s3://bucket/prefix")
+    endpoint_url: str | None = Field(None, description="S3 endpoint; default: AWS_ENDPOINT_URL or AWS")
+    region: str | None = Field(None, description="S3 region; default: AWS_DEFAULT_REGION")
+    access_key_id: SecretStr | None = Field(None, description="default: AWS_ACCESS_KEY_ID; never logged")
+    secret_access_key: SecretStr | None = Field(None, description="default: AWS_SECRET_ACCESS_KEY; never logged")
+    keep_last: int = Field(3, ge=1, description="committed checkpoints kept")
+    keep_every: int = Field(0, ge=0, description="also keep every M-th step (0: none)")
+    lease_ttl_s: float = Field(300.0, gt=0, description="writer lease expiry unless renewed")
+    retry_attempts: int = Field(8, ge=1, description="tries for a transient storage failure")
+    retry_max_wait_s: float = Field(8.0, gt=0, description="cap of the exponential backoff")
+    connect_timeout_s: float = Field(10.0, gt=0, description="S3: a connection not made by then is retried")
+    read_timeout_s: float = Field(60.0, gt=0, description="S3: a silent server (hung) is retried after this")
+    max_concurrency: int = Field(8, ge=1, description="parallel object transfers (checkpoint shards)")
+
+
+class RayConfig(_Section):
+    address: str | None = Field(
+        None, description="a Ray cluster address; default: the local head node that `rlflow up` starts"
+    )
+    namespace: str = "rlflow"
+    max_concurrent_stages: int = Field(4, ge=1, description="stage tasks running at once (a custom resource)")
+    placement: Literal["pack", "spread"] = "pack"

@@ -1,0 +1,112 @@
+"""The run config: defaults, YAML, dotted overrides, and one clear error for every kind of bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from engine.errors import ConfigError
+from flows.cli import main
+from flows.config import DEFAULT_CONFIG, RLConfig, load_config
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+
+
+def test_default_config_is_the_tiny_grpo_file() -> None:
+    cfg = load_config()
+    assert DEFAULT_CONFIG.name == "tiny_grpo.yaml"
+    assert cfg.algorithm.adv_estimator == "grpo"
+    assert cfg.model.path == "tiny"
+    # Keys the YAML leaves out come from the models: the one source of defaults.
+    assert cfg.critic.enable is RLConfig().critic.enable
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path: Path) -> None:
+    load_config(path)
+
+
+def test_overrides_are_parsed_to_the_field_type() -> None:
+    cfg = load_config(None, ["actor.lr=1e-5", "rollout.n=4", "data.shuffle=false",
+                             "data.train_files=[a.parquet, b.parquet]", "model.tokenizer_path=null"])
+    assert cfg.actor.lr == pytest.approx(1e-5) and isinstance(cfg.actor.lr, float)
+    assert cfg.rollout.n == 4
+    assert cfg.data.shuffle is False
+    assert cfg.data.train_files == ["a.parquet", "b.parquet"]
+    assert cfg.model.tokenizer_path is None
+
+
+def test_gae_with_a_critic_is_accepted() -> None:
+    cfg = load_config(None, ["algorithm.adv_estimator=gae", "critic.enable=true"])
+    assert cfg.algorithm.adv_estimator == "gae" and cfg.critic.enable
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["trainer.bogus=1"], "trainer.bogus is not a known key"),
+        (["bogus.lr=1"], "bogus is not a config section"),
+        (["actor.lr=-1"], "actor.lr=-1 is not allowed: Input should be greater than 0"),
+        (["actor.lr=fast"], "actor.lr='fast' is not allowed: Input should be a valid number"),
+        (["rollout.n=1"], "rollout.n=1 is not allowed: algorithm.adv_estimator=grpo compares"),
+        (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator='gae' is not allowed: needs a critic"),
+        (["algorithm.adv_estimator=magic"], "algorithm.adv_estimator='magic' is not allowed: must be one of"),
+        (["data.train_batch_size=3", "rollout.n=3"], "data.train_batch_size=3 is not allowed: "
+                                                      "train_batch_size x rollout.n (9) must be divisible"),
+        (["actor.mini_batch_size=5"], "actor.mini_batch_size=5 is not allowed: must be divisible"),
+        (["actor.loss_agg_mode=mean"], "actor.loss_agg_mode='mean' is not allowed: must be one of"),
+        (["actor.lr"], "override 'actor.lr' is not key=value"),
+        (["lr=1"], "override key 'lr' must be section.field"),
+    ],
+)
+def test_bad_values_fail_with_one_message_naming_key_and_value(overrides: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert str(err.value).startswith(expected), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_key_in_a_yaml_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"actor": {"lr": 1e-5, "learning_rate": 3}}))
+    with pytest.raises(ConfigError, match=r"actor.learning_rate is not a known key; actor has: .*lr"):
+        load_config(path)
+
+
+def test_missing_config_file() -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("no/such/file.yaml")
+
+
+def test_credentials_stay_out_of_the_public_dict_and_hash() -> None:
+    cfg = load_config(None, ["storage.access_key_id=AKIAEXAMPLE", "storage.secret_access_key=hunter2"])
+    public = yaml.safe_dump(cfg.public_dict())
+    assert "hunter2" not in public and "AKIAEXAMPLE" not in public
+    assert "hunter2" not in repr(cfg)
+    assert cfg.config_hash() == load_config().config_hash()
+
+
+def test_config_hash_changes_with_a_value() -> None:
+    assert load_config().config_hash() != load_config(None, ["actor.lr=1e-3"]).config_hash()
+
+
+def test_cli_config_show_prints_the_resolved_config(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "show", "actor.lr=0.5"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["actor"]["lr"] == 0.5
+    assert shown["algorithm"]["adv_estimator"] == "grpo"
+
+
+@pytest.mark.parametrize("override", ["trainer.bogus=1", "actor.lr=-1"])
+def test_cli_bad_override_prints_one_line_and_exits_nonzero(override: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "config", "show", override],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode != 0
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("rlflow: error: ") and override.split("=")[0] in lines[0]
