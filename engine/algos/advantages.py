@@ -1,0 +1,364 @@
+"""Advantage estimators: one registry, one keyword-only signature.
+
+Shapes: B batch (responses), T response tokens, G number of distinct groups (prompts).
+
+Every estimator takes the same arguments and returns `(adv [B, T], returns [B, T])`, both zero
+at positions where `response_mask` is 0. What an estimator needs beyond rewards is declared
+when it is registered (`needs_values`, `needs_baseline`, `group_based`) so the config layer and
+the driver check requirements from the registry, with no per-estimator branches.
+
+Definitions follow verl `verl/trainer/ppo/core_algos.py` (the function named in each
+docstring); outcome rewards are `sum_t token_rewards * response_mask`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.algos.masked import masked_sum, masked_whiten
+
+
+class AdvEstimatorFn(Protocol):
+    """The one signature every advantage estimator implements."""
+
+    def __call__(
+        self,
+        *,
+        token_rewards: torch.Tensor,
+        response_mask: torch.Tensor,
+        group_ids: torch.Tensor,
+        values: torch.Tensor | None = None,
+        baseline: torch.Tensor | None = None,
+        gamma: float = 1.0,
+        lam: float = 1.0,
+        norm_by_std: bool = True,
+        eps: float = 1e-6,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class AdvEstimator:
+    """A registered estimator and what it needs.
+
+    needs_values: a critic's values [B, T] (GAE). needs_baseline: a per-response baseline
+    reward [B] (ReMax's greedy response). group_based: statistics over responses sharing a
+    `group_ids` value, so rollouts need n >= 2 responses per prompt to be meaningful.
+    """
+
+    name: str
+    fn: AdvEstimatorFn
+    needs_values: bool = False
+    needs_baseline: bool = False
+    group_based: bool = False
+
+    def __call__(
+        self,
+        *,
+        token_rewards: torch.Tensor,
+        response_mask: torch.Tensor,
+        group_ids: torch.Tensor,
+        values: torch.Tensor | None = None,
+        baseline: torch.Tensor | None = None,
+        gamma: float = 1.0,
+        lam: float = 1.0,
+        norm_by_std: bool = True,
+        eps: float = 1e-6,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Check the declared inputs are present, then run the estimator (shapes as in `fn`)."""
+        if self.needs_values and values is None:
+            raise ValueError(f"advantage estimator {self.name!r} needs values (a critic)")
+        if self.needs_baseline and baseline is None:
+            raise ValueError(f"advantage estimator {self.name!r} needs a baseline reward per response")
+        return self.fn(
+            token_rewards=token_rewards,
+            response_mask=response_mask,
+            group_ids=group_ids,
+            values=values,
+            baseline=baseline,
+            gamma=gamma,
+            lam=lam,
+            norm_by_std=norm_by_std,
+            eps=eps,
+        )
+
+
+ADV_ESTIMATORS: dict[str, AdvEstimator] = {}
+
+
+def register_adv_estimator(
+    name: str, *, needs_values: bool = False, needs_baseline: bool = False, group_based: bool = False
+) -> Callable[[AdvEstimatorFn], AdvEstimatorFn]:
+    """Decorator: add `fn` to ADV_ESTIMATORS under `name` with its requirements."""
+
+    def register(fn: AdvEstimatorFn) -> AdvEstimatorFn:
+        if name in ADV_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ADV_ESTIMATORS[name] = AdvEstimator(
+            name=name,
+            fn=fn,
+            needs_values=needs_values,
+            needs_baseline=needs_baseline,
+            group_based=group_based,
+        )
+        return fn
+
+    return register
+
+
+def get_adv_estimator(name: str) -> AdvEstimator:
+    """The registered estimator `name`; ValueError listing the allowed names otherwise."""
+    if name not in ADV_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; allowed: {sorted(ADV_ESTIMATORS)}")
+    return ADV_ESTIMATORS[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# Group statistics (vectorised; group ids are arbitrary, possibly non-contiguous integers)
+# ---------------------------------------------------------------------------------------------
+
+
+def _group_sums(x: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample sum and count of its group. x: [B], group_ids: [B] -> (sum [B], count [B])."""
+    # Relabel arbitrary ids to 0..G-1: inverse [B] indexes the G unique ids.
+    unique_ids, inverse = torch.unique(group_ids, return_inverse=True)
+    zeros = x.new_zeros(unique_ids.shape[0])  # [G]
+    sums = zeros.index_add(0, inverse, x)  # [G]
+    counts = zeros.index_add(0, inverse, torch.ones_like(x))  # [G]
+    return sums[inverse], counts[inverse]  # gather back: [G] -> [B]
+
+
+def group_mean_std(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample mean and unbiased std of its group's scores (verl `compute_grpo_outcome_advantage`).
+
+    scores: [B], group_ids: LongTensor [B] -> (mean [B], std [B]).
+    A one-sample group gets mean 0 and std 1, as in verl.
+    """
+    sums, counts = _group_sums(scores, group_ids)
+    mean = sums / counts
+    sq_dev, _ = _group_sums((scores - mean) ** 2, group_ids)  # two-pass variance, like torch.std
+    std = torch.sqrt(sq_dev / (counts - 1).clamp_min(1.0))
+    single = counts == 1
+    return torch.where(single, torch.zeros_like(mean), mean), torch.where(single, torch.ones_like(std), std)
+
+
+def outcome_scores(token_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """One scalar reward per response: token_rewards [B, T], response_mask [B, T] -> [B]."""
+    return masked_sum(token_rewards, response_mask, dim=-1)
+
+
+def _broadcast(per_seq: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Spread a per-sequence value over its tokens: [B] -> [B, 1] * mask [B, T] -> [B, T]."""
+    return per_seq.unsqueeze(-1) * response_mask.to(per_seq.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Estimators
+# ---------------------------------------------------------------------------------------------
+
+
+@register_adv_estimator("gae", needs_values=True)
+@torch.no_grad()
+def gae(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    values: torch.Tensor | None = None,
+    baseline: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized Advantage Estimation (Schulman et al. 2016, eq. 16; verl `compute_gae_advantage_return`).
+
+    token_rewards, response_mask, values: [B, T] -> (adv [B, T] whitened over the mask,
+    returns [B, T] = raw adv + values). Tokens with mask 0 (padding, or tool-output tokens in
+    the middle of a multi-turn response) are skipped: value and running GAE carry through them.
+    """
+    if values is None:
+        raise ValueError("gae needs values")
+    mask = response_mask.bool()
+    next_value = torch.zeros_like(values[:, 0])  # [B]
+    running = torch.zeros_like(values[:, 0])  # [B]
+    adv_reversed = []
+    for t in reversed(range(token_rewards.shape[1])):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        next_value = torch.where(mask[:, t], values[:, t], next_value)
+        running = torch.where(mask[:, t], delta + gamma * lam * running, running)
+        adv_reversed.append(running)
+    adv = torch.stack(adv_reversed[::-1], dim=1)  # T x [B] -> [B, T]
+    returns = torch.where(mask, adv + values, torch.zeros_like(adv))
+    return masked_whiten(adv, response_mask) * response_mask, returns
+
+
+@register_adv_estimator("grpo", group_based=True)
+@torch.no_grad()
+def grpo(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    values: torch.Tensor | None = None,
+    baseline: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO group-relative advantage (Shao et al. 2024, DeepSeekMath sec. 4.1.2; verl
+    `compute_grpo_outcome_advantage`): (r - mean_g) / (std_g + eps), std unbiased.
+
+    token_rewards, response_mask: [B, T], group_ids: [B] -> (adv, returns) [B, T], equal.
+    `norm_by_std=False` drops the division (Dr. GRPO, Liu et al. 2025).
+    """
+    scores = outcome_scores(token_rewards, response_mask)  # [B]
+    mean, std = group_mean_std(scores, group_ids)  # [B], [B]
+    centered = scores - mean
+    adv = _broadcast(centered / (std + eps) if norm_by_std else centered, response_mask)
+    return adv, adv
+
+
+@register_adv_estimator("dr_grpo", group_based=True)
+@torch.no_grad()
+def dr_grpo(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    values: torch.Tensor | None = None,
+    baseline: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dr. GRPO (Liu et al. 2025, arXiv 2503.20783, sec. 3.1): r - mean_g.
+
+    GRPO with `norm_by_std` forced False, whatever is passed. Shapes as in `grpo`.
+    """
+    return grpo(
+        token_rewards=token_rewards, response_mask=response_mask, group_ids=group_ids, norm_by_std=False
+    )
+
+
+@register_adv_estimator("rloo", group_based=True)
+@torch.no_grad()
+def rloo(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    values: torch.Tensor | None = None,
+    baseline: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE leave-one-out (Ahmadian et al. 2024, arXiv 2402.14740; verl `compute_rloo_outcome_advantage`):
+    r_i - (sum_g - r_i) / (n_g - 1).
+
+    token_rewards, response_mask: [B, T], group_ids: [B] -> (adv, returns) [B, T], equal.
+    A one-sample group has no other sample: baseline 0, so adv = r (as verl's `rloo`).
+    """
+    scores = outcome_scores(token_rewards, response_mask)  # [B]
+    sums, counts = _group_sums(scores, group_ids)  # [B], [B]
+    leave_one_out = (sums - scores) / (counts - 1).clamp_min(1.0)
+    adv = _broadcast(torch.where(counts > 1, scores - leave_one_out, scores), response_mask)
+    return adv, adv
+
+
+def _discounted_returns(
+    token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float
+) -> torch.Tensor:
+    """G_t = r_t + gamma * G_{t+1}, the running sum reset to 0 where the mask is 0
+    (verl `compute_reinforce_plus_plus_outcome_advantage`). [B, T] -> [B, T]."""
+    mask = response_mask.bool()
+    running = torch.zeros_like(token_rewards[:, 0])  # [B]
+    returns_reversed = []
+    for t in reversed(range(token_rewards.shape[1])):
+        running = token_rewards[:, t] + gamma * running
+        returns_reversed.append(running)
+        running = torch.where(mask[:, t], running, torch.zeros_like(running))
+    return torch.stack(returns_reversed[::-1], dim=1)  # T x [B] -> [B, T]
+
+
+@register_adv_estimator("reinforce_plus_plus")
+@torch.no_grad()
+def reinforce_plus_plus(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    values: torch.Tensor | None = None,
+    baseline: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu 2025, arXiv 2501.03262, sec. 3; verl `compute_reinforce_plus_plus_outcome_advantage`):
+    discounted return per token, whitened over the whole batch.
+
+    token_rewards, response_mask: [B, T] -> (adv [B, T] whitened, returns [B, T] unwhitened).
+    """
+    returns = _discounted_returns(token_rewards, response_mask, gamma) * response_mask
+    return masked_whiten(returns, response_mask) * response_mask, returns
+
+
+@register_adv_estimator("reinforce_plus_plus_baseline", group_based=True)
+@torch.no_grad()
+def reinforce_plus_plus_baseline(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    values: torch.Tensor | None = None,
+    baseline: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline (Hu 2025, arXiv 2501.03262; verl
+    `compute_reinforce_plus_plus_baseline_outcome_advantage`): r - mean_g, then whitened over
+    every token of the batch (a one-sample group has mean 0).
+
+    token_rewards, response_mask: [B, T], group_ids: [B] -> (adv, returns) [B, T], equal.
+    """
+    scores = outcome_scores(token_rewards, response_mask)  # [B]
+    mean, _ = group_mean_std(scores, group_ids)
+    adv = _broadcast(scores - mean, response_mask)
+    adv = masked_whiten(adv, response_mask) * response_mask
+    return adv, adv
+
+
+@register_adv_estimator("remax", needs_baseline=True)
+@torch.no_grad()
+def remax(
+    *,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    values: torch.Tensor | None = None,
+    baseline: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (Li et al. 2024, arXiv 2310.10505; verl `compute_remax_outcome_advantage`):
+    undiscounted reward-to-go minus the greedy response's reward.
+
+    token_rewards, response_mask: [B, T], baseline: [B] -> (adv [B, T], returns [B, T]).
+    """
+    if baseline is None:
+        raise ValueError("remax needs a baseline (the greedy response's reward)")
+    # Reverse cumulative sum along T: flip, cumsum, flip back. [B, T] -> [B, T]
+    returns = (token_rewards * response_mask).flip(-1).cumsum(-1).flip(-1)
+    return returns - _broadcast(baseline.to(returns.dtype), response_mask), returns
