@@ -1,0 +1,36 @@
+"""Rewards: rule functions dispatched on data_source, custom functions, and sandboxed code rewards.
+
+`score_batch` is the one entry point the reward stage calls (on chunks of a batch, in parallel Ray
+tasks); this package itself imports neither Ray nor Prefect.
+"""
+
+from engine.rewards.registry import (
+    REWARDS,
+    RewardBatch,
+    RewardSpec,
+    load_custom_reward,
+    register_reward,
+    resolve_reward,
+    score_batch,
+)
+from engine.rewards.sandbox import SandboxJob, SandboxResult, run_sandboxed
+from engine.rewards.types import BatchReward, RewardItem, RowFailure, RowReward, SandboxLimits, per_row
+
+__all__ = [
+    "REWARDS",
+    "BatchReward",
+    "RewardBatch",
+    "RewardItem",
+    "RewardSpec",
+    "RowFailure",
+    "RowReward",
+    "SandboxJob",
+    "SandboxLimits",
+    "SandboxResult",
+    "load_custom_reward",
+    "per_row",
+    "register_reward",
+    "resolve_reward",
+    "run_sandboxed",
+    "score_batch",
+]
