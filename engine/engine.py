@@ -1,0 +1,159 @@
+"""The engine of one run: its policy worker group and, for PPO, its critic worker group.
+
+    engine = Engine.start(spec)                       # a new run, or a restart after a crash
+    engine = Engine.attach(spec)                      # a retried / resumed / scheduled flow run
+    rollouts = engine.generate(prompts, iteration=7)
+
+Stages address the engine by run id; the actors are found by name, never passed around.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from engine.batch import Batch
+from engine.errors import EngineDeadError, EngineError
+from engine.workers.critic import CriticSpec, CriticWorker
+from engine.workers.group import NAMESPACE, WorkerGroup, check_run_id
+from engine.workers.policy import PolicySpec, PolicyWorker
+
+
+class EngineSpec(BaseModel):
+    run_id: str
+    config_hash: str
+    world_size: int = 1
+    backend: Literal["gloo", "nccl"] = "gloo"
+    num_cpus_per_rank: float = 1.0
+    num_gpus_per_rank: float = 0.0
+    placement: Literal["pack", "spread"] = "pack"
+    namespace: str = NAMESPACE
+    timeout_s: float = 1800.0
+    policy: PolicySpec
+    critic: CriticSpec | None = None
+
+
+class Engine:
+    def __init__(self, spec: EngineSpec, policy: WorkerGroup, critic: WorkerGroup | None) -> None:
+        self.spec, self.policy, self.critic = spec, policy, critic
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    @classmethod
+    def start(cls, spec: EngineSpec) -> Engine:
+        """Create the worker groups (stopping any leftover actors of this run id first)."""
+        check_run_id(spec.run_id)
+        policy = cls._create(spec, "policy", PolicyWorker, spec.policy.model_dump())
+        critic = None
+        if spec.critic is not None:
+            try:
+                critic = cls._create(spec, "critic", CriticWorker, spec.critic.model_dump())
+            except BaseException:
+                policy.stop()
+                raise
+        return cls(spec, policy, critic)
+
+    @classmethod
+    def attach(cls, spec: EngineSpec) -> Engine:
+        """The live engine of `spec.run_id`; EngineDeadError when it (or one rank) is gone."""
+        policy = WorkerGroup.attach(run_id=spec.run_id, role="policy", config_hash=spec.config_hash,
+                                    namespace=spec.namespace, timeout_s=spec.timeout_s)
+        critic = None
+        if spec.critic is not None:
+            critic = WorkerGroup.attach(run_id=spec.run_id, role="critic", config_hash=spec.config_hash,
+                                        namespace=spec.namespace, timeout_s=spec.timeout_s)
+        engine = cls(spec, policy, critic)
+        engine.version()  # every rank must agree, or the engine is unusable
+        return engine
+
+    @classmethod
+    def attach_or_start(cls, spec: EngineSpec) -> tuple[Engine, bool]:
+        """(engine, attached): attach when alive, otherwise start fresh (the caller then restores)."""
+        try:
+            return cls.attach(spec), True
+        except EngineDeadError:
+            cls.stop_run(spec.run_id, spec.namespace)
+            return cls.start(spec), False
+
+    @staticmethod
+    def stop_run(run_id: str, namespace: str = NAMESPACE) -> list[str]:
+        from engine.workers.group import stop_engine
+
+        return stop_engine(run_id, namespace)
+
+    def stop(self) -> None:
+        self.policy.stop()
+        if self.critic is not None:
+            self.critic.stop()
+
+    @staticmethod
+    def _create(spec: EngineSpec, role: str, worker_cls: type, worker_spec: dict[str, Any]) -> WorkerGroup:
+        return WorkerGroup.create(
+            run_id=spec.run_id, role=role, worker_cls=worker_cls, world_size=spec.world_size,
+            config_hash=spec.config_hash, init_kwargs={"spec": worker_spec},
+            num_cpus_per_rank=spec.num_cpus_per_rank, num_gpus_per_rank=spec.num_gpus_per_rank,
+            placement=spec.placement, backend=spec.backend, namespace=spec.namespace, timeout_s=spec.timeout_s,
+        )
+
+    def version(self) -> int:
+        """The version every rank holds; EngineError when the ranks disagree (a half-applied update)."""
+        versions = set(self.policy.call("get_version"))
+        if self.critic is not None:
+            versions |= set(self.critic.call("get_version"))
+        if len(versions) != 1:
+            raise EngineError(f"the ranks of run {self.spec.run_id!r} hold different versions {sorted(versions)}")
+        return versions.pop()
+
+    # -- stages ------------------------------------------------------------------------------------
+    def generate(self, prompts: Batch, *, iteration: int, expected_version: int | None, do_sample: bool = True
+                 ) -> Batch:
+        return self.policy.call("generate", prompts, mode="dp", iteration=iteration,
+                                expected_version=expected_version, do_sample=do_sample)
+
+    def compute_log_prob(self, batch: Batch, *, expected_version: int | None) -> Batch:
+        return self.policy.call("compute_log_prob", batch, mode="dp", expected_version=expected_version)
+
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        return self.policy.call("compute_ref_log_prob", batch, mode="dp")
+
+    def compute_values(self, batch: Batch, *, expected_version: int | None) -> Batch:
+        return self._critic().call("compute_values", batch, mode="dp", expected_version=expected_version)
+
+    def update_critic(self, batch: Batch, *, iteration: int, expected_version: int | None) -> dict[str, float]:
+        return self._critic().call("update_critic", batch, mode="dp", iteration=iteration,
+                                   expected_version=expected_version)[0]
+
+    def update_actor(self, batch: Batch, *, iteration: int, expected_version: int | None) -> dict[str, float]:
+        """The actor update, then the train-to-generate weight sync; metrics of both."""
+        metrics = self.policy.call("update_actor", batch, mode="dp", iteration=iteration,
+                                   expected_version=expected_version)[0]
+        metrics.update(self.policy.call("sync_rollout_weights")[0])
+        return metrics
+
+    # -- state -------------------------------------------------------------------------------------
+    def save(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        """Sharded state of every group into `url`/<role>/ (the checkpoint's staging location)."""
+        opts = storage_options or {}
+        self.policy.call("save", f"{url.rstrip('/')}/policy", opts)
+        if self.critic is not None:
+            self.critic.call("save", f"{url.rstrip('/')}/critic", opts)
+
+    def load(self, url: str, storage_options: dict[str, Any] | None = None) -> int:
+        opts = storage_options or {}
+        self.policy.call("load", f"{url.rstrip('/')}/policy", opts)
+        if self.critic is not None:
+            self.critic.call("load", f"{url.rstrip('/')}/critic", opts)
+        return self.version()
+
+    def export_hf(self, url: str, storage_options: dict[str, Any] | None = None) -> str:
+        """Hugging Face format (save_pretrained + tokenizer) of the current policy at `url`."""
+        self.policy.call("export_hf", url, storage_options or {})
+        return url
+
+    def weights_digest(self) -> str:
+        return str(self.policy.call("weights_digest")[0])
+
+    def _critic(self) -> WorkerGroup:
+        if self.critic is None:
+            raise EngineError(f"run {self.spec.run_id!r} has no critic (critic.enable is false)")
+        return self.critic

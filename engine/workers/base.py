@@ -1,0 +1,91 @@
+"""What every rank actor has: its identity, torch.distributed, the engine version, a health answer."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.errors import VersionMismatchError
+
+
+class RankWorker:
+    """One process of a worker group. Subclasses add the models; this holds what the group needs.
+
+    `version` is the iteration of the last update applied to the weights (0: none yet). Every call that
+    depends on the weights states the version it expects and fails loudly on a mismatch.
+    """
+
+    def __init__(self, *, run_id: str, role: str, rank: int, world_size: int, config_hash: str,
+                 num_threads: int) -> None:
+        self.run_id, self.role, self.rank, self.world_size = run_id, role, rank, world_size
+        self.config_hash = config_hash
+        self.version = 0
+        self.started = time.time()
+        torch.set_num_threads(max(1, num_threads))
+
+    # -- rendezvous ---------------------------------------------------------------------------------
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0's address and a free port for torch.distributed's TCP store."""
+        host = _node_ip()
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        return host, port
+
+    def init_distributed(self, host: str, port: int, backend: str, timeout_s: float) -> None:
+        # One rank still forms a group, so FSDP and the collectives run the same code path.
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{host}:{port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+
+    # -- health and version ------------------------------------------------------------------------
+    def ping(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "role": self.role,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "config_hash": self.config_hash,
+            "version": self.version,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started, 1),
+        }
+
+    def get_version(self) -> int:
+        return self.version
+
+    def check_version(self, expected: int | None) -> None:
+        if expected is not None and expected != self.version:
+            raise VersionMismatchError(
+                f"{self.run_id}/{self.role}/{self.rank} holds weights of version {self.version}, "
+                f"the call expected version {expected}"
+            )
+
+    def debug_fault(self, kind: str, rank: int, seconds: float = 0.0) -> str:
+        """Faults for tests: `raise` on one rank, `hang` for `seconds`, `exit` the process (a crash)."""
+        if rank != self.rank:
+            return "ok"
+        if kind == "raise":
+            raise RuntimeError(f"fault injected on rank {rank}")
+        if kind == "hang":
+            time.sleep(seconds)
+            return "woke"
+        if kind == "exit":
+            os._exit(1)
+        raise ValueError(f"unknown fault kind {kind!r}; allowed: raise, hang, exit")
+
+
+def _node_ip() -> str:
+    import ray
+
+    return str(ray.util.get_node_ip_address())

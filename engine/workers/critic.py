@@ -1,0 +1,110 @@
+"""CriticWorker: a value model (the LM trunk with a scalar head per token) under FSDP2, for PPO/GAE."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pydantic import BaseModel
+from torch import nn
+from transformers import AutoModelForTokenClassification
+
+from engine import algos
+from engine.batch import Batch
+from engine.config import CriticConfig
+from engine.models import hub_offline, torch_dtype
+from engine.seeds import derive_seed
+from engine.workers import fsdp
+from engine.workers.base import RankWorker
+
+
+class CriticSpec(BaseModel):
+    model_path: str
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+    critic: CriticConfig = CriticConfig()
+    total_iterations: int = 1
+    seed: int = 0
+
+
+class CriticWorker(RankWorker):
+    def __init__(self, *, spec: dict[str, Any], **identity: Any) -> None:
+        super().__init__(**identity)
+        self.spec = CriticSpec.model_validate(spec)
+
+    def setup(self) -> None:
+        spec = self.spec
+        torch.manual_seed(derive_seed(spec.seed, 0, "critic_head"))  # the new value head's init
+        # The trunk of the causal LM and one output per token: transformers' token-classification head.
+        model = AutoModelForTokenClassification.from_pretrained(
+            spec.model_path, num_labels=1, dtype=torch_dtype(spec.dtype),
+            trust_remote_code=spec.trust_remote_code, local_files_only=hub_offline(),
+        )
+        self.model = fsdp.shard_model(model.train())
+        self.optimizer = fsdp.build_optimizer(self.model, spec.critic)
+        self.scheduler = fsdp.build_scheduler(self.optimizer, spec.critic, spec.total_iterations)
+
+    @torch.no_grad()
+    def compute_values(self, batch: Batch, *, expected_version: int | None) -> Batch:
+        """`values` [B, T]: the value of the state before each response token."""
+        self.check_version(expected_version)
+        chunks = [response_values(self.model, c) for c in batch.chunks(self.spec.critic.micro_batch_size)]
+        return Batch({"values": torch.cat(chunks)}, {})
+
+    def update_critic(self, batch: Batch, *, iteration: int, expected_version: int | None) -> dict[str, float]:
+        """Clipped value regression on `returns` (needs `values`, `returns`, `response_mask`)."""
+        self.check_version(expected_version)
+        cfg = self.spec.critic
+        mini = max(1, cfg.mini_batch_size // self.world_size)
+        gen = torch.Generator().manual_seed(derive_seed(self.spec.seed, iteration, "update_critic", self.rank))
+        stats: dict[str, list[torch.Tensor]] = {}
+        for _ in range(cfg.ppo_epochs):
+            for minibatch in batch.shuffle(gen).chunks(mini):
+                for key, value in self._optimizer_step(minibatch).items():
+                    stats.setdefault(key, []).append(value)
+        self.scheduler.step()
+        self.version = iteration
+        local = {k: torch.stack(v).mean() for k, v in stats.items()}
+        local["critic/lr"] = torch.tensor(self.optimizer.param_groups[0]["lr"])
+        return fsdp.all_reduce_mean(local)
+
+    def _optimizer_step(self, minibatch: Batch) -> dict[str, torch.Tensor]:
+        cfg = self.spec.critic
+        micros = minibatch.chunks(cfg.micro_batch_size)
+        stats: dict[str, torch.Tensor] = {}
+        for micro, weight in zip(micros, fsdp.micro_weights(micros, cfg.loss_agg_mode)):
+            vpreds = response_values(self.model, micro)
+            loss, micro_stats = algos.clipped_value_loss(
+                vpreds=vpreds, values=micro["values"], returns=micro["returns"],
+                response_mask=micro["response_mask"], clip_range_value=cfg.clip_range_value,
+                loss_agg_mode=cfg.loss_agg_mode,
+            )
+            (loss * weight).backward()  # gradient accumulation, weighted to the global mini-batch
+            for key, value in {"vf_loss": loss, **micro_stats}.items():
+                stats[f"critic/{key}"] = stats.get(f"critic/{key}", 0.0) + value.detach() * weight
+        grad_norm = fsdp.clip_grad_norm(self.model, cfg.grad_clip)
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        stats["critic/grad_norm"] = grad_norm.detach()
+        return stats
+
+    def save(self, url: str, storage_options: dict[str, Any]) -> None:
+        extra = {"scheduler": self.scheduler.state_dict(), "rng": fsdp.rng_state(), "version": self.version}
+        fsdp.save_sharded(url, self.model, self.optimizer, extra, storage_options)
+
+    def load(self, url: str, storage_options: dict[str, Any]) -> int:
+        extra = fsdp.load_sharded(url, self.model, self.optimizer, storage_options)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        fsdp.set_rng_state(extra["rng"])
+        self.version = int(extra["version"])
+        return self.version
+
+
+def response_values(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """[B, P+T] inputs -> values [B, T]: the output at position j values the state that emits token j+1."""
+    attention_mask = batch["attention_mask"]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    t = batch["responses"].shape[1]
+    out = model(input_ids=batch["input_ids"], attention_mask=attention_mask, position_ids=position_ids).logits
+    return out[:, -t - 1 : -1, 0].float()  # [B, P+T, 1] -> [B, T]

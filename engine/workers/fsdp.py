@@ -1,0 +1,179 @@
+"""FSDP2 plumbing shared by the policy and critic ranks: sharding, optimizer, LR schedule, state.
+
+FSDP2 (`fully_shard`) is used because it trains on CPU with gloo; FSDP1 needs an accelerator and
+segfaults gathering with CPU offload (measured, see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Any
+
+import fsspec
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+
+from engine.config import OptimConfig
+
+
+def shard_model(model: nn.Module) -> nn.Module:
+    """FSDP2 per decoder layer, then the root (embeddings, final norm, head)."""
+    for layer in decoder_layers(model):
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks of a Hugging Face causal LM (Llama, Qwen2, Mistral, GPT-2...)."""
+    for attr in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
+        node: Any = model
+        for part in attr.split("."):
+            node = getattr(node, part, None)
+            if node is None:
+                break
+        if isinstance(node, nn.ModuleList):
+            return list(node)
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard")
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    # foreach=False: the foreach kernels do not take DTensor shards on every backend.
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, foreach=False)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
+                    ) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup over `warmup_steps` updates, then constant, cosine or linear decay to min_lr_ratio."""
+    warmup, floor, kind = cfg.warmup_steps, cfg.min_lr_ratio, cfg.lr_schedule
+    decay_steps = max(1, total_steps - warmup)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / decay_steps)
+        if kind == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        if kind == "linear":
+            return floor + (1 - floor) * (1 - progress)
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Global grad norm over all shards (a DTensor under FSDP2), clipped in place; returns a plain tensor."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every rank gets the full (unsharded) weights: an all-gather, called on every rank."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def full_state_dict_rank0(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Rank 0 gets the full weights on CPU, the others an empty dict; called on every rank."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_sharded(url: str, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any],
+                 storage_options: dict[str, Any]) -> None:
+    """torch.distributed.checkpoint of model + optimizer shards into `url` (a folder or s3:// prefix),
+    plus this rank's small state (`extra`: scheduler, RNG, version) as `extra_rank<r>.pt` beside them."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_writer(url, storage_options))
+    buf = io.BytesIO()
+    torch.save(extra, buf)
+    with fsspec.open(f"{url.rstrip('/')}/extra_rank{dist.get_rank()}.pt", "wb", **storage_options) as f:
+        f.write(buf.getvalue())
+
+
+def load_sharded(url: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 storage_options: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of save_sharded; returns this rank's `extra`."""
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+    else:
+        state = {"model": get_model_state_dict(model)}
+    dcp.load(state, storage_reader=_reader(url, storage_options))
+    if optimizer is not None:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        model.load_state_dict(state["model"])
+    with fsspec.open(f"{url.rstrip('/')}/extra_rank{dist.get_rank()}.pt", "rb", **storage_options) as f:
+        return torch.load(io.BytesIO(f.read()), weights_only=False)
+
+
+def _writer(url: str, storage_options: dict[str, Any]) -> dcp.StorageWriter:
+    if "://" in url and not url.startswith("file://"):
+        from torch.distributed.checkpoint import FsspecWriter
+
+        return FsspecWriter(url, **storage_options)
+    return dcp.FileSystemWriter(url.removeprefix("file://"))
+
+
+def _reader(url: str, storage_options: dict[str, Any]) -> dcp.StorageReader:
+    if "://" in url and not url.startswith("file://"):
+        from torch.distributed.checkpoint import FsspecReader
+
+        return FsspecReader(url, **storage_options)
+    return dcp.FileSystemReader(url.removeprefix("file://"))
+
+
+def rng_state() -> dict[str, Any]:
+    import random
+
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import random
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+
+
+def global_sum(value: float) -> float:
+    """Sum of a number over the ranks (one collective)."""
+    t = torch.tensor([value], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return float(t.item())
+
+
+def micro_weights(micros: list[Any], loss_agg_mode: str) -> list[float]:
+    """Weight of each micro-batch's aggregated loss so that, summed over micro-batches and averaged over
+    ranks (FSDP averages gradients), the mini-batch loss is the aggregate over the GLOBAL mini-batch:
+    sharded training then equals one process. Units are tokens for token-mean, sequences otherwise."""
+    def units(micro: Any) -> float:
+        return float(micro["response_mask"].sum()) if loss_agg_mode == "token-mean" else float(len(micro))
+
+    local = [units(m) for m in micros]
+    total = global_sum(sum(local))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return [u * world / total if total > 0 else 0.0 for u in local]
+
+
+def all_reduce_mean(values: dict[str, float | torch.Tensor]) -> dict[str, float]:
+    """Average named scalars over the ranks with one collective and one sync; Python floats out."""
+    keys = sorted(values)
+    if not keys:
+        return {}
+    stacked = torch.stack([torch.as_tensor(values[k], dtype=torch.float64).detach().cpu() for k in keys])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
+        stacked /= dist.get_world_size()
+    return dict(zip(keys, stacked.tolist()))

@@ -1,0 +1,238 @@
+"""PolicyWorker: actor, rollout and reference in one process per rank (the hybrid engine).
+
+- actor: the policy under FSDP2 with AdamW, gradient clipping and an LR schedule; it is what trains.
+- rollout: an unsharded copy of the policy that generates; refreshed from the actor's shards after
+  every update (the train-to-generate transition, `timing_s/weight_sync`).
+- ref: the frozen initial policy, sharded, for KL (only when a KL term is configured).
+
+Batches carry: `input_ids` [B, P+T] and `attention_mask` [B, P+T] (left-padded prompt, right-padded
+response), `responses` [B, T], `response_mask` [B, T]; the update also reads `old_logp`, `adv` [B, T]
+and `ref_logp` [B, T] when the KL loss is on.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import torch
+from pydantic import BaseModel
+from torch import nn
+
+from engine import algos
+from engine.batch import Batch
+from engine.config import ActorConfig, RolloutConfig
+from engine.models import load_model, load_tokenizer, stop_token_ids
+from engine.rollout import HFRollout, SamplingParams
+from engine.seeds import derive_seed
+from engine.workers import fsdp
+from engine.workers.base import RankWorker
+
+
+class PolicySpec(BaseModel):
+    """What a policy rank is built from (JSON-able: it crosses into the actor process)."""
+
+    model_path: str
+    tokenizer_path: str
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+    rollout: RolloutConfig = RolloutConfig()
+    actor: ActorConfig = ActorConfig()
+    use_ref: bool = False
+    total_iterations: int = 1
+    seed: int = 0
+
+
+class PolicyWorker(RankWorker):
+    def __init__(self, *, spec: dict[str, Any], **identity: Any) -> None:
+        super().__init__(**identity)
+        self.spec = PolicySpec.model_validate(spec)
+
+    def setup(self) -> None:
+        """Load the three models; called on every rank after torch.distributed is up."""
+        spec = self.spec
+        torch.manual_seed(spec.seed)
+        self.tokenizer = load_tokenizer(spec.tokenizer_path, trust_remote_code=spec.trust_remote_code)
+        base = load_model(spec.model_path, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code)
+        self.rollout_model = copy.deepcopy(base)  # unsharded, generation only
+        self.actor = fsdp.shard_model(base.train())
+        self.optimizer = fsdp.build_optimizer(self.actor, spec.actor)
+        self.scheduler = fsdp.build_scheduler(self.optimizer, spec.actor, spec.total_iterations)
+        self.ref: nn.Module | None = None
+        if spec.use_ref:
+            ref = load_model(spec.model_path, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code)
+            ref.requires_grad_(False)
+            self.ref = fsdp.shard_model(ref.eval())
+        stops = sorted(stop_token_ids(self.tokenizer, self.rollout_model))
+        self.rollout = HFRollout(self.rollout_model, int(self.tokenizer.pad_token_id), stops)
+
+    # -- generation ---------------------------------------------------------------------------------
+    def generate(self, prompts: Batch, *, iteration: int, expected_version: int | None, do_sample: bool = True
+                 ) -> Batch:
+        """prompts: `input_ids`, `attention_mask` [B, P] left padded -> the batch with the response columns."""
+        self.check_version(expected_version)
+        cfg = self.spec.rollout
+        params = SamplingParams(cfg.max_new_tokens, do_sample, cfg.temperature, cfg.top_p, cfg.top_k)
+        stage = "rollout" if do_sample else "rollout_greedy"
+        outs = []
+        for i, micro in enumerate(prompts.chunks(cfg.micro_batch_size) if len(prompts) else []):
+            seed = derive_seed(self.spec.seed, iteration, f"{stage}/{i}", self.rank)
+            outs.append(self.rollout.generate(micro["input_ids"], micro["attention_mask"], params, seed))
+        responses = torch.cat([o.responses for o in outs])  # [B, T]
+        response_mask = torch.cat([o.response_mask for o in outs])  # [B, T]
+        return prompts.with_tensors(
+            prompt_ids=prompts["input_ids"],
+            input_ids=torch.cat([prompts["input_ids"], responses], dim=1),  # [B, P+T]
+            attention_mask=torch.cat([prompts["attention_mask"], response_mask], dim=1),  # [B, P+T]
+            responses=responses,
+            response_mask=response_mask,
+        )
+
+    # -- log-probs ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def compute_log_prob(self, batch: Batch, *, expected_version: int | None) -> Batch:
+        """Old log-probs and entropy of the responses under the actor: `old_logp`, `entropy` [B, T]."""
+        self.check_version(expected_version)
+        logp, entropy = self._forward_chunks(self.actor, batch, self.spec.actor.micro_batch_size, entropy=True)
+        return Batch({"old_logp": logp, "entropy": entropy}, {})
+
+    @torch.no_grad()
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        """`ref_logp` [B, T] under the frozen reference policy."""
+        if self.ref is None:
+            raise RuntimeError("this policy was built without a reference model (no KL term configured)")
+        logp, _ = self._forward_chunks(self.ref, batch, self.spec.actor.micro_batch_size, entropy=False)
+        return Batch({"ref_logp": logp}, {})
+
+    def _forward_chunks(self, model: nn.Module, batch: Batch, micro: int, entropy: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        logps, ents = [], []
+        for chunk in batch.chunks(micro):
+            logits = response_logits(model, chunk, self.spec.rollout.temperature)  # [b, T, V]
+            logps.append(algos.logprobs_from_logits(logits, chunk["responses"]))
+            if entropy:
+                ents.append(algos.entropy_from_logits(logits))
+        logp = torch.cat(logps)
+        return logp, (torch.cat(ents) if entropy else torch.zeros_like(logp))
+
+    # -- update ------------------------------------------------------------------------------------
+    def update_actor(self, batch: Batch, *, iteration: int, expected_version: int | None) -> dict[str, float]:
+        """PPO epochs over mini-batches with gradient accumulation; the version becomes `iteration`."""
+        self.check_version(expected_version)
+        cfg = self.spec.actor
+        mini = max(1, cfg.mini_batch_size // self.world_size)  # rows of this rank per optimizer step
+        gen = torch.Generator().manual_seed(derive_seed(self.spec.seed, iteration, "update_actor", self.rank))
+        stats: dict[str, list[torch.Tensor]] = {}
+        self.actor.train()
+        for _ in range(cfg.ppo_epochs):
+            for minibatch in batch.shuffle(gen).chunks(mini):
+                for key, value in self._optimizer_step(minibatch).items():
+                    stats.setdefault(key, []).append(value)
+        self.scheduler.step()
+        self.version = iteration
+        local = {k: torch.stack(v).mean() for k, v in stats.items()}
+        local["actor/lr"] = torch.tensor(self.optimizer.param_groups[0]["lr"])
+        return fsdp.all_reduce_mean(local)
+
+    def _optimizer_step(self, minibatch: Batch) -> dict[str, torch.Tensor]:
+        cfg = self.spec.actor
+        micros = minibatch.chunks(cfg.micro_batch_size)
+        stats: dict[str, torch.Tensor] = {}
+        for micro, weight in zip(micros, fsdp.micro_weights(micros, cfg.loss_agg_mode)):
+            loss, micro_stats = self._micro_loss(micro)
+            (loss * weight).backward()  # gradient accumulation, weighted to the global mini-batch
+            for key, value in micro_stats.items():
+                stats[key] = stats.get(key, 0.0) + value * weight
+        grad_norm = fsdp.clip_grad_norm(self.actor, cfg.grad_clip)
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        stats["actor/grad_norm"] = grad_norm.detach()
+        return stats
+
+    def _micro_loss(self, micro: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        cfg = self.spec.actor
+        mask = micro["response_mask"]
+        logits = response_logits(self.actor, micro, self.spec.rollout.temperature)  # [b, T, V]
+        logp = algos.logprobs_from_logits(logits, micro["responses"])
+        policy_loss = algos.get_policy_loss(cfg.policy_loss)
+        pg_loss, pg_stats = policy_loss(
+            logp=logp, old_logp=micro["old_logp"], adv=micro["adv"], response_mask=mask,
+            clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c,
+            loss_agg_mode=cfg.loss_agg_mode,
+        )
+        entropy = algos.agg_loss(loss_mat=algos.entropy_from_logits(logits), loss_mask=mask,
+                                 loss_agg_mode=cfg.loss_agg_mode)
+        loss = pg_loss - cfg.entropy_coeff * entropy
+        stats = {"actor/pg_loss": pg_loss.detach(), "actor/entropy": entropy.detach(),
+                 **{f"actor/{k}": v.detach() for k, v in pg_stats.items()}}
+        if cfg.use_kl_loss:
+            kl, _ = algos.kl_loss(logp=logp, ref_logp=micro["ref_logp"], response_mask=mask,
+                                  estimator=cfg.kl_loss_type, loss_agg_mode=cfg.loss_agg_mode)
+            loss = loss + cfg.kl_loss_coef * kl
+            stats["actor/kl_loss"] = kl.detach()
+        return loss, stats
+
+    # -- weights -----------------------------------------------------------------------------------
+    def sync_rollout_weights(self) -> dict[str, float]:
+        """Gather the actor's shards into the rollout copy (every rank calls it: an all-gather)."""
+        start = time.perf_counter()
+        self.rollout.load_weights(fsdp.full_state_dict(self.actor))
+        return {"timing_s/weight_sync": time.perf_counter() - start}
+
+    def save(self, url: str, storage_options: dict[str, Any]) -> None:
+        extra = {"scheduler": self.scheduler.state_dict(), "rng": fsdp.rng_state(), "version": self.version}
+        fsdp.save_sharded(url, self.actor, self.optimizer, extra, storage_options)
+
+    def load(self, url: str, storage_options: dict[str, Any]) -> int:
+        """Restore actor, optimizer, scheduler and RNG from `url`; refresh the rollout copy; new version."""
+        extra = fsdp.load_sharded(url, self.actor, self.optimizer, storage_options)
+        self.scheduler.load_state_dict(extra["scheduler"])
+        fsdp.set_rng_state(extra["rng"])
+        self.version = int(extra["version"])
+        self.sync_rollout_weights()
+        return self.version
+
+    def export_hf(self, url: str, storage_options: dict[str, Any]) -> str | None:
+        """Hugging Face weights + tokenizer at `url`, written by rank 0 (every rank joins the gather)."""
+        import tempfile
+
+        import fsspec
+
+        state = fsdp.full_state_dict_rank0(self.actor)
+        if self.rank != 0:
+            return None
+        model = copy.deepcopy(self.rollout_model)
+        model.load_state_dict(state)
+        with tempfile.TemporaryDirectory(prefix="rlflow-export-") as tmp:
+            model.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            fs, path = fsspec.core.url_to_fs(url, **storage_options)
+            fs.makedirs(path, exist_ok=True)
+            fs.put(f"{tmp}/", path, recursive=True)
+        return url
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The full actor weights on rank 0 (empty on the others); every rank joins the gather."""
+        return fsdp.full_state_dict_rank0(self.actor)
+
+    def weights_digest(self) -> str:
+        """sha256 of the full weights (for bit-identity checks); every rank joins the gather."""
+        import hashlib
+
+        digest = hashlib.sha256()
+        for key, value in sorted(fsdp.full_state_dict(self.actor).items()):
+            digest.update(key.encode())
+            digest.update(value.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+
+
+def response_logits(model: nn.Module, batch: Batch, temperature: float) -> torch.Tensor:
+    """Logits that score each response token: [B, P+T] inputs -> [B, T, V], divided by the sampling
+    temperature so log-probs match the distribution the rollout sampled from (as verl does)."""
+    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: count real tokens
+    t = batch["responses"].shape[1]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    return logits[:, -t - 1 : -1].float() / temperature  # position j predicts token j+1
