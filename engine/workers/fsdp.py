@@ -119,7 +119,7 @@ def load_sharded(url: str, model: nn.Module, optimizer: torch.optim.Optimizer | 
 
 def _writer(url: str, storage_options: dict[str, Any]) -> dcp.StorageWriter:
     if "://" in url and not url.startswith("file://"):
-        from torch.distributed.checkpoint import FsspecWriter
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         return FsspecWriter(url, **storage_options)
     return dcp.FileSystemWriter(url.removeprefix("file://"))
@@ -127,7 +127,7 @@ def _writer(url: str, storage_options: dict[str, Any]) -> dcp.StorageWriter:
 
 def _reader(url: str, storage_options: dict[str, Any]) -> dcp.StorageReader:
     if "://" in url and not url.startswith("file://"):
-        from torch.distributed.checkpoint import FsspecReader
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         return FsspecReader(url, **storage_options)
     return dcp.FileSystemReader(url.removeprefix("file://"))

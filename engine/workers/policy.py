@@ -105,6 +105,12 @@ class PolicyWorker(RankWorker):
         logp, _ = self._forward_chunks(self.ref, batch, self.spec.actor.micro_batch_size, entropy=False)
         return Batch({"ref_logp": logp}, {})
 
+    @torch.no_grad()
+    def rollout_log_prob(self, batch: Batch) -> Batch:
+        """`logp` [B, T] under the rollout copy (checks the train-to-generate sync)."""
+        logp, _ = self._forward_chunks(self.rollout_model, batch, self.spec.actor.micro_batch_size, entropy=False)
+        return Batch({"logp": logp}, {})
+
     def _forward_chunks(self, model: nn.Module, batch: Batch, micro: int, entropy: bool
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         logps, ents = [], []
@@ -212,6 +218,16 @@ class PolicyWorker(RankWorker):
             fs.makedirs(path, exist_ok=True)
             fs.put(f"{tmp}/", path, recursive=True)
         return url
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds of actor parameters (its shards) and optimizer state."""
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return t.to_local() if hasattr(t, "to_local") else t
+
+        params = sum(local(p).numel() * p.element_size() for p in self.actor.parameters())
+        optim = sum(local(v).numel() * v.element_size() for state in self.optimizer.state.values()
+                    for v in state.values() if isinstance(v, torch.Tensor))
+        return {"params": int(params), "optimizer": int(optim)}
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The full actor weights on rank 0 (empty on the others); every rank joins the gather."""
