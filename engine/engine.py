@@ -63,7 +63,7 @@ class Engine:
             critic = WorkerGroup.attach(run_id=spec.run_id, role="critic", config_hash=spec.config_hash,
                                         namespace=spec.namespace, timeout_s=spec.timeout_s)
         engine = cls(spec, policy, critic)
-        engine.version()  # every rank must agree, or the engine is unusable
+        engine.versions()  # the ranks of each role must agree, or the engine is unusable
         return engine
 
     @classmethod
@@ -95,14 +95,22 @@ class Engine:
             placement=spec.placement, backend=spec.backend, namespace=spec.namespace, timeout_s=spec.timeout_s,
         )
 
+    def versions(self) -> dict[str, int]:
+        """{role: version}; EngineError when the ranks of one role disagree (a half-applied update)."""
+        found = {}
+        for role, group in (("policy", self.policy), ("critic", self.critic)):
+            if group is None:
+                continue
+            versions = set(group.call("get_version"))
+            if len(versions) != 1:
+                raise EngineError(f"the {role} ranks of run {self.spec.run_id!r} hold different versions "
+                                  f"{sorted(versions)}: restart the engine")
+            found[role] = versions.pop()
+        return found
+
     def version(self) -> int:
-        """The version every rank holds; EngineError when the ranks disagree (a half-applied update)."""
-        versions = set(self.policy.call("get_version"))
-        if self.critic is not None:
-            versions |= set(self.critic.call("get_version"))
-        if len(versions) != 1:
-            raise EngineError(f"the ranks of run {self.spec.run_id!r} hold different versions {sorted(versions)}")
-        return versions.pop()
+        """The policy's version: the iteration of its last applied update."""
+        return self.versions()["policy"]
 
     # -- stages ------------------------------------------------------------------------------------
     def generate(self, prompts: Batch, *, iteration: int, expected_version: int | None, do_sample: bool = True

@@ -79,6 +79,13 @@ class PromptSampler:
         self._order_of = (epoch, order)
         return order
 
+    def seek(self, steps: int) -> None:
+        """Go to the state after `steps` steps: iteration k of a run draws step k-1, whoever runs it."""
+        if steps < 0:
+            raise DataError(f"cannot seek the sampler to step {steps}")
+        self.epoch, self.position = divmod(steps, self.steps_per_epoch)
+        self.steps = steps
+
     def state_dict(self) -> dict[str, Any]:
         """JSON-able state: where to go on, plus the settings it is valid for."""
         return {

@@ -11,11 +11,13 @@ from infra.errors import InfraError
 
 # Command groups in the order `rlflow --help` lists them.
 COMMAND_MODULES = (
+    "flows.commands.train",
     "flows.commands.config",
     "flows.commands.model",
     "flows.commands.data",
     "flows.commands.infra",
     "flows.commands.runs",
+    "flows.commands.engine",
 )
 
 

@@ -28,6 +28,7 @@ from engine.config import (
 )
 from engine.errors import ConfigError
 from infra.config import RayConfig, StorageConfig
+from tasks.faults import FaultConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_grpo.yaml"
 
@@ -45,6 +46,7 @@ class TrainerConfig(BaseModel):
     device: str = Field("cpu", pattern=r"^(cpu|cuda|auto)$")
     seed: int = Field(0, ge=0)
     export_at_end: bool = True
+    keep_engine: bool = Field(False, description="leave the engine actors running after the run")
     stage_timeout_s: float = Field(1800.0, gt=0, description="a stage running longer fails")
 
 
@@ -64,6 +66,7 @@ class RLConfig(BaseModel):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    debug: FaultConfig = Field(default_factory=FaultConfig)
 
     @model_validator(mode="after")
     def _sections_agree(self) -> RLConfig:

@@ -1,0 +1,73 @@
+"""`rlflow engine list | stop RUN_ID`: the persistent rank actors of each run on the Ray cluster."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("engine", help="the persistent engine actors on Ray")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    ls = verbs.add_parser("list", help="runs with live worker groups, their roles and ranks")
+    ls.add_argument("--address", help="Ray address (default: RAY_ADDRESS or the local stack)")
+    ls.set_defaults(func=_list)
+    stop = verbs.add_parser("stop", help="kill the worker groups of a run")
+    stop.add_argument("run_id")
+    stop.add_argument("--address", help="Ray address (default: RAY_ADDRESS or the local stack)")
+    stop.set_defaults(func=_stop)
+
+
+def connect(address: str | None) -> None:
+    """Join the Ray cluster as a driver: --address, RAY_ADDRESS, or the local stack's head."""
+    import ray
+
+    from engine.errors import EngineError
+    from engine.workers.group import NAMESPACE
+
+    target = address or os.environ.get("RAY_ADDRESS") or _stack_address()
+    if not target:
+        raise EngineError("no Ray cluster to connect to: start one with `rlflow up`, or pass --address")
+    try:
+        ray.init(address=target, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+    except ConnectionError as err:
+        raise EngineError(f"cannot reach the Ray cluster at {target}: {err}") from None
+
+
+def _stack_address() -> str | None:
+    try:
+        from infra.stack import LocalStack
+    except ImportError:
+        return None
+    status = LocalStack().status()
+    return status.ray_address if status.ray_running else None
+
+
+def _list(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from engine.workers.group import list_engines
+
+    connect(args.address)
+    engines = list_engines()
+    if not engines:
+        print("no live engines")
+        return 0
+    table = Table("run id", "role", "ranks")
+    for run_id, roles in engines.items():
+        for role, ranks in roles.items():
+            table.add_row(run_id, role, ", ".join(map(str, ranks)))
+    Console().print(table)
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    from engine.workers.group import check_run_id, stop_engine
+
+    connect(args.address)
+    roles = stop_engine(check_run_id(args.run_id))
+    print(
+        f"stopped {args.run_id}: {', '.join(roles)}" if roles else f"no live engine for run {args.run_id!r}"
+    )
+    return 0 if roles else 1

@@ -1,0 +1,73 @@
+"""`rlflow train [CONFIG] [key=value ...] [--resume RUN_ID]`: the main job."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+from flows.commands.config import split_config_args
+
+# Overrides that carry credentials become environment variables: never flow-run parameters.
+_SECRET_OVERRIDES = {"storage.access_key_id": "AWS_ACCESS_KEY_ID",
+                     "storage.secret_access_key": "AWS_SECRET_ACCESS_KEY"}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("train", help="train (or resume) a run: the main job")
+    parser.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]",
+                        help="a YAML config (default configs/tiny_grpo.yaml) and dotted overrides")
+    parser.add_argument("--resume", metavar="RUN_ID", help="go on with an existing run from its storage")
+    parser.add_argument("--log-level", default=os.environ.get("RLFLOW_LOG_LEVEL", "INFO"),
+                        help="INFO (default) or DEBUG for detail (also RLFLOW_LOG_LEVEL)")
+    parser.set_defaults(func=_train)
+
+
+def strip_secrets(overrides: list[str]) -> list[str]:
+    """Move credential overrides into this process's environment; return the rest."""
+    kept = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.strip() in _SECRET_OVERRIDES:
+            os.environ[_SECRET_OVERRIDES[key.strip()]] = value
+        else:
+            kept.append(item)
+    return kept
+
+
+def _train(args: argparse.Namespace) -> int:
+    from flows.config import load_config
+    from flows.plan import new_run_id
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    path, overrides = split_config_args(args.args)
+    overrides = strip_secrets(overrides)
+    cfg = load_config(path, overrides)  # a bad config fails here, before anything starts
+    if args.resume is None and cfg.trainer.run_id is None:
+        overrides.append(f"trainer.run_id={new_run_id(cfg)}")
+        cfg = load_config(path, overrides)
+    run_id = args.resume or cfg.trainer.run_id
+    result = run_train(cfg, config_path=path, overrides=overrides, resume=args.resume, run_id=str(run_id))
+    print(f"rlflow: run {result['run_id']} finished iteration {result['finished_iteration']}; "
+          f"storage {result['storage']}" + (f"; export {result['export']}" if result.get("export") else ""))
+    return 0
+
+
+def run_train(cfg: Any, *, config_path: str | None, overrides: list[str], resume: str | None, run_id: str
+              ) -> dict[str, Any]:
+    """Start what is missing of the stack, connect, run the train flow with a progress display."""
+    from infra.config import StackConfig
+    from infra.stack import apply_connect_env, ensure_stack
+
+    info = ensure_stack(StackConfig(), cfg.ray)
+    apply_connect_env(info)
+    print(f"rlflow: run {run_id}  |  Prefect UI {info.ui_url}  |  Ray {info.ray_address}", flush=True)
+
+    from flows import progress
+    from flows.train import connect_ray, train
+
+    connect_ray(info.ray_address, cfg)
+    with progress.console_progress(cfg.trainer.total_iterations, sys.stdout.isatty()):
+        return train(config_path=config_path, overrides=overrides, resume=resume, run_name=run_id)

@@ -1,0 +1,150 @@
+"""Turn a config into a run: check every input, resolve the model and data, open the run in storage.
+
+Everything that can be wrong with the input (config, data files, rows, prompt lengths, the model, a
+`--resume` that does not match) is checked here, BEFORE anything is written to the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.data import load_train_val
+from engine.engine import EngineSpec
+from engine.errors import ConfigError
+from engine.models import cache_dir, load_tokenizer, prompt_lengths, resolve_model_path, resolve_tokenizer_path
+from engine.workers.critic import CriticSpec
+from engine.workers.group import check_run_id
+from engine.workers.policy import PolicySpec
+from flows.config import RLConfig, build_config
+from infra.runs import Lease, RunStore
+from infra.store import ObjectStore
+from tasks.context import RunPlan
+
+log = logging.getLogger("rlflow.train")
+
+
+@dataclass
+class OpenRun:
+    plan: RunPlan
+    cfg: RLConfig
+    store: ObjectStore
+    runs: RunStore
+    lease: Lease
+    resumed: bool
+
+
+def new_run_id(cfg: RLConfig) -> str:
+    return cfg.trainer.run_id or f"{cfg.trainer.project}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def resume_config(store: ObjectStore, run_id: str, cfg: RLConfig | None, overrides: list[str]) -> RLConfig:
+    """The config of a resumed run: its run.json snapshot with `overrides`, or `cfg` if it keeps the model."""
+    runs = RunStore(store, check_run_id(run_id))
+    if not runs.exists():
+        raise ConfigError(f"--resume {run_id}: no run {run_id!r} under {store.url()}")
+    saved = runs.read_run_info()["config"]
+    if cfg is None:
+        from flows.config import _parse_override, _set_dotted
+
+        raw = dict(saved)
+        for item in overrides:
+            key, value = _parse_override(item)
+            _set_dotted(raw, key, value)
+        cfg = build_config(raw)
+    changed = [k for k in ("path", "tokenizer_path", "dtype", "tiny_seed") if saved["model"].get(k) !=
+               cfg.model.model_dump(mode="json").get(k)]
+    if changed:
+        key = f"model.{changed[0]}"
+        raise ConfigError(f"--resume {run_id}: the config changes {key} from {saved['model'].get(changed[0])!r} "
+                          f"to {getattr(cfg.model, changed[0])!r}; a run keeps its model (start a new run)")
+    return cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"run_id": run_id})})
+
+
+def open_run(cfg: RLConfig, run_id: str, *, resume: bool) -> OpenRun:
+    """Check the inputs, then take the run's lease and write run.json (a new run) — in that order."""
+    check_run_id(run_id)
+    store = ObjectStore.from_config(cfg.storage)
+    runs = RunStore(store, run_id)
+    if not resume and runs.exists():
+        raise ConfigError(f"run {run_id!r} already exists under {store.url()}: resume it with "
+                          f"--resume {run_id}, or choose another trainer.run_id")
+    model_path = resolve_model_path(cfg.model, cfg.data.task)
+    tokenizer_path = resolve_tokenizer_path(cfg.model, cfg.data.task)
+    tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=cfg.model.trust_remote_code)
+    train, val = load_train_val(cfg.data, length_fn=lambda p: prompt_lengths(tokenizer, [p])[0],
+                                synthetic_dir=cache_dir() / "data")
+    if len(train) < cfg.data.train_batch_size:
+        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} is larger than the training set "
+                          f"({len(train)} prompts after filtering): lower it or add data")
+    lease = runs.acquire_lease(cfg.storage.lease_ttl_s)
+    lease.start_renewing()
+    try:
+        if not resume:
+            runs.write_run_info(cfg.public_dict(), code_version=code_version(), parent=None,
+                                config_hash=cfg.config_hash())
+        created = str(runs.read_run_info()["created"])
+    except BaseException:
+        lease.release()
+        raise
+    plan = RunPlan(
+        run_id=run_id, created=created, config_hash=cfg.config_hash(), model_path=model_path,
+        tokenizer_path=tokenizer_path, train_files=list(train.sources),
+        val_files=list(val.sources) if val is not None else [],
+        engine=engine_spec(cfg, run_id, model_path, tokenizer_path), data=cfg.data, rollout=cfg.rollout,
+        algorithm=cfg.algorithm, reward=cfg.reward,
+        storage=cfg.storage.model_copy(update={"access_key_id": None, "secret_access_key": None}),
+        debug=cfg.debug,
+    )
+    return OpenRun(plan, cfg, store, runs, lease, resume)
+
+
+def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str) -> EngineSpec:
+    """The engine of this run: policy (+ ref when a KL term is on) and, for PPO, a critic."""
+    if cfg.trainer.device == "cuda":
+        raise ConfigError("trainer.device='cuda' is not allowed yet: the GPU path is not tested; use cpu")
+    threads = max(1, (os.cpu_count() or 1) // cfg.trainer.world_size)
+    policy = PolicySpec(
+        model_path=model_path, tokenizer_path=tokenizer_path, dtype=cfg.model.dtype,
+        trust_remote_code=cfg.model.trust_remote_code, rollout=cfg.rollout, actor=cfg.actor,
+        use_ref=cfg.needs_ref, total_iterations=cfg.trainer.total_iterations, seed=cfg.trainer.seed,
+    )
+    critic = None
+    if cfg.critic.enable:
+        critic = CriticSpec(
+            model_path=cfg.critic.model_path or model_path, dtype=cfg.model.dtype,
+            trust_remote_code=cfg.model.trust_remote_code, critic=cfg.critic,
+            total_iterations=cfg.trainer.total_iterations, seed=cfg.trainer.seed,
+        )
+    return EngineSpec(
+        run_id=run_id, config_hash=cfg.config_hash(), world_size=cfg.trainer.world_size,
+        num_cpus_per_rank=float(threads), placement=cfg.ray.placement, namespace=cfg.ray.namespace,
+        timeout_s=cfg.trainer.stage_timeout_s, policy=policy, critic=critic,
+    )
+
+
+def code_version() -> str:
+    """The git commit of this checkout when there is one, else the package version."""
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=5, check=False)
+        if out.returncode == 0 and out.stdout.strip():
+            return f"git:{out.stdout.strip()}"
+    except OSError:
+        pass
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"rlflow {version('rlflow')}"
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def public_plan(plan: RunPlan) -> dict[str, Any]:
+    return plan.model_dump(mode="json")

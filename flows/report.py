@@ -1,0 +1,84 @@
+"""Prefect artifacts of a run: a metrics table per iteration, a progress bar, a markdown summary."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+from uuid import UUID
+
+from prefect.artifacts import (
+    create_link_artifact,
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+
+KEY_METRICS = ("critic/score/mean", "val/score/mean", "response_length/mean", "actor/pg_loss", "actor/entropy",
+               "actor/ppo_kl", "actor/grad_norm", "timing_s/step", "perf/orchestration_s")
+_BLOCKS = "▁▂▃▄▅▆▇█"
+
+
+def artifact_key(run_id: str, what: str) -> str:
+    """Artifact keys may hold lowercase letters, digits and dashes only."""
+    return re.sub(r"[^a-z0-9-]+", "-", f"{run_id}-{what}".lower()).strip("-")
+
+
+def iteration_table(run_id: str, iteration: int, metrics: dict[str, float]) -> None:
+    rows = [{"metric": k, "value": round(v, 6)} for k, v in sorted(metrics.items())]
+    create_table_artifact(rows, key=artifact_key(run_id, "metrics"),
+                          description=f"{run_id}: metrics of iteration {iteration}")
+
+
+class Progress:
+    """One progress artifact per flow run, moved every iteration."""
+
+    def __init__(self, run_id: str, first: int, last: int) -> None:
+        self.first, self.last = first, last
+        self.id: UUID | None = create_progress_artifact(  # type: ignore[assignment]
+            0.0, key=artifact_key(run_id, "progress"), description=f"{run_id}: iterations {first}-{last}")
+
+    def update(self, iteration: int) -> None:
+        done = (iteration - self.first + 1) / max(1, self.last - self.first + 1)
+        if self.id is not None:
+            update_progress_artifact(self.id, round(100.0 * done, 1))
+
+
+def sparkline(values: list[float]) -> str:
+    if not values:
+        return ""
+    lo, hi = min(values), max(values)
+    span = (hi - lo) or 1.0
+    return "".join(_BLOCKS[int((v - lo) / span * (len(_BLOCKS) - 1))] for v in values)
+
+
+def summary(run_id: str, history: list[dict[str, Any]], checkpoints: list[tuple[int, str]],
+            export_url: str | None) -> str:
+    """Markdown: the reward and response-length curves, the last metrics, the committed checkpoints."""
+    trained = [m for m in history if "critic/score/mean" in m]
+    reward = [m["critic/score/mean"] for m in trained]
+    length = [m["response_length/mean"] for m in trained if "response_length/mean" in m]
+    val = [(m["iteration"], m["val/score/mean"]) for m in history if "val/score/mean" in m]
+    lines = [f"# {run_id}", "", f"{len(trained)} iterations trained.", "",
+             "| curve | first | last | shape |", "|---|---|---|---|"]
+    if reward:
+        lines.append(f"| train reward | {reward[0]:.3f} | {reward[-1]:.3f} | `{sparkline(reward)}` |")
+    if length:
+        lines.append(f"| response length | {length[0]:.1f} | {length[-1]:.1f} | `{sparkline(length)}` |")
+    if val:
+        lines.append(f"| validation score | {val[0][1]:.3f} (iter {val[0][0]}) | {val[-1][1]:.3f} "
+                     f"(iter {val[-1][0]}) | `{sparkline([v for _, v in val])}` |")
+    if trained:
+        lines += ["", "## Last iteration", "", "| metric | value |", "|---|---|"]
+        lines += [f"| {k} | {trained[-1][k]:.4g} |" for k in KEY_METRICS if k in trained[-1]]
+    lines += ["", "## Committed checkpoints", ""]
+    lines += [f"- step {step}: `{url}`" for step, url in checkpoints] or ["- none"]
+    if export_url:
+        lines += ["", f"Hugging Face export: `{export_url}`"]
+    return "\n".join(lines) + "\n"
+
+
+def publish_summary(run_id: str, markdown: str, checkpoints: list[tuple[int, str]]) -> None:
+    create_markdown_artifact(markdown, key=artifact_key(run_id, "summary"), description=f"{run_id}: summary")
+    for step, url in checkpoints[-3:]:
+        create_link_artifact(url, link_text=f"checkpoint step {step}", key=artifact_key(run_id, f"ckpt-{step}"))

@@ -1,0 +1,336 @@
+"""The train flow and the iteration flow: the RL algorithm, read top to bottom.
+
+    train(config_path, overrides, resume)
+      open the run (inputs checked first) -> reconcile with storage and the engine -> iterations ->
+      validate every val_every -> checkpoint every save_every and at the end -> export
+
+    rl_iteration(plan, k): rollout -> reward | log-probs -> advantages -> critic update -> policy update
+
+Recovery contract (DESIGN.md): the latest committed checkpoint c, the last finished iteration i
+(its metrics written), the engine's version v if alive. Alive with v in {i, i+1}: go on at i+1 (the
+update stages know whether their update is applied). Otherwise restart the engine, restore c and replay
+the updates c+1..i from the persisted advantage buffers — no regeneration.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from prefect import flow, get_run_logger
+from prefect_ray import RayTaskRunner
+from prefect_ray.context import remote_options
+
+from engine.advantage import make_kl_controller
+from engine.algos import get_adv_estimator
+from engine.engine import Engine
+from engine.errors import EngineDeadError
+from flows import progress, report
+from flows.algorithms import stages_for
+from flows.config import RLConfig, load_config
+from flows.plan import OpenRun, new_run_id, open_run, resume_config
+from infra.buffers import load_ref
+from infra.store import ObjectStore
+from tasks.context import RunPlan
+from tasks.stages import (
+    StageResult,
+    compute_advantages,
+    compute_logprobs,
+    generate_baseline,
+    generate_rollouts,
+    save_checkpoint,
+    score_baseline,
+    score_rewards,
+    update_critic,
+    update_policy,
+    validate,
+)
+
+log = logging.getLogger("rlflow.train")
+
+# Stage tasks hold almost no CPU (the actors do the work): num_cpus=0, and a custom resource caps
+# how many run at once. Without it they wait forever behind the actors that hold the cores.
+STAGE_RESOURCE = "rlflow_stage"
+# Engine compute on the critical path of one iteration (what perf/orchestration_s subtracts).
+_COMPUTE = ("timing_s/gen", "timing_s/gen_baseline", "timing_s/old_log_prob", "timing_s/ref", "timing_s/values",
+            "timing_s/adv", "timing_s/update_critic", "timing_s/update_actor", "timing_s/weight_sync")
+
+
+def stage_options() -> Any:
+    return remote_options(num_cpus=0, resources={STAGE_RESOURCE: 1})
+
+
+@flow(name="rl-iteration", flow_run_name="iter-{iteration:06d}", persist_result=True, task_runner=RayTaskRunner())
+def rl_iteration(plan: RunPlan, iteration: int, kl_coef: float) -> dict[str, float]:
+    """One RL iteration: every stage a task on Ray; returns the iteration's metrics."""
+    start = time.perf_counter()
+    remax = get_adv_estimator(plan.algorithm.adv_estimator).needs_baseline
+    with stage_options():
+        rollout = generate_rollouts.submit(plan, iteration)
+        baseline = generate_baseline.submit(plan, iteration, wait_for=[rollout]) if remax else None
+        reward = score_rewards.submit(plan, iteration, rollout)  # overlaps the log-probs
+        baseline_reward = score_baseline.submit(plan, iteration, baseline) if baseline is not None else None
+        logprob = compute_logprobs.submit(plan, iteration, rollout, wait_for=[baseline] if baseline else [])
+        advantage = compute_advantages.submit(plan, iteration, rollout, reward, logprob, kl_coef, baseline_reward)
+        critic = update_critic.submit(plan, iteration, advantage) if plan.has_critic else None
+        policy = update_policy.submit(plan, iteration, advantage, wait_for=[critic] if critic else [])
+        results: list[StageResult] = [f.result() for f in
+                                      (rollout, baseline, reward, baseline_reward, logprob, advantage, critic, policy)
+                                      if f is not None]
+    metrics: dict[str, float] = {}
+    for result in results:
+        metrics.update(result.metrics)
+    step_s = time.perf_counter() - start
+    metrics["timing_s/step"] = step_s
+    reused = sum(r.reused for r in results)
+    compute = sum(metrics.get(k, 0.0) for k in _COMPUTE) if not reused else step_s
+    metrics["perf/orchestration_s"] = max(0.0, step_s - compute)
+    metrics["perf/time_per_step"] = step_s
+    metrics["perf/throughput"] = metrics.get("perf/total_num_tokens", 0.0) / step_s
+    metrics["stages/reused"] = float(reused)
+    return metrics
+
+
+@dataclass
+class Trainer:
+    """What the train flow keeps between iterations."""
+
+    run: OpenRun
+    kl: Any
+    history: list[dict[str, Any]] = field(default_factory=list)
+    stop_requested: bool = False
+
+    @property
+    def plan(self) -> RunPlan:
+        return self.run.plan
+
+    @property
+    def cfg(self) -> RLConfig:
+        return self.run.cfg
+
+    def trainer_state(self, iteration: int) -> dict[str, Any]:
+        return {"iteration": iteration, "sampler_steps": iteration, "kl_ctrl": self.kl.state_dict(),
+                "config_hash": self.plan.config_hash}
+
+
+@flow(name="rlflow-train", flow_run_name="{run_name}", persist_result=True, task_runner=RayTaskRunner())
+def train(config_path: str | None = None, overrides: list[str] | None = None, resume: str | None = None,
+          run_name: str = "train") -> dict[str, Any]:
+    """Train (or resume) one run; returns a summary. Parameters are JSON-able and hold no credentials."""
+    logger = get_run_logger()
+    cfg, run_id = _resolve(config_path, list(overrides or []), resume)
+    run = open_run(cfg, run_id, resume=resume is not None)
+    trainer = Trainer(run, make_kl_controller(cfg.algorithm))
+    try:
+        stages_for(cfg)  # refuses a stage that reads a column nobody writes, before launch
+        engine, first = reconcile(trainer)
+        last = _last_iteration(cfg, first)
+        logger.info("run %s: iterations %d..%d (engine version %d)", run_id, first, last, first - 1)
+        if first == 1 and cfg.trainer.val_every and not run.runs.finished_iterations():
+            _validate_before(trainer)
+        progress = report.Progress(run_id, first, last)
+        with _graceful_stop(trainer):
+            for iteration in range(first, last + 1):
+                run_iteration(trainer, iteration)
+                progress.update(iteration)
+                if trainer.stop_requested:
+                    logger.warning("stop requested: committing iteration %d and stopping", iteration)
+                    break
+        finished = run.runs.last_finished_iteration() or 0
+        _checkpoint(trainer, finished, force=True)
+        export = _export(trainer, engine, finished) if cfg.trainer.export_at_end and not trainer.stop_requested else None
+        checkpoints = [(s, run.store.url(f"{run_id}/checkpoints/step_{s:06d}"))
+                       for s in trainer_checkpoints(trainer)]
+        report.publish_summary(run_id, report.summary(run_id, run.runs.read_metrics(), checkpoints, export),
+                               checkpoints)
+        if not cfg.trainer.keep_engine:
+            engine.stop()
+        return {"run_id": run_id, "finished_iteration": finished, "export": export,
+                "storage": run.store.url(run_id), "stopped_early": trainer.stop_requested}
+    finally:
+        run.lease.release()
+
+
+def run_iteration(trainer: Trainer, iteration: int) -> dict[str, float]:
+    """Iteration k, then its validation, then its metrics line (the commit), then its checkpoint."""
+    cfg, plan = trainer.cfg, trainer.plan
+    metrics = rl_iteration(plan, iteration, trainer.kl.value)
+    metrics["actor/kl_coef"] = trainer.kl.value
+    if "actor/reward_kl_penalty" in metrics:
+        trainer.kl.update(metrics["actor/reward_kl_penalty"], n_steps=cfg.data.train_batch_size * cfg.rollout.n)
+    if cfg.trainer.val_every and iteration % cfg.trainer.val_every == 0:
+        with stage_options():
+            metrics.update(validate.submit(plan, iteration).result().metrics)
+    trainer.run.runs.write_metrics(iteration, metrics)
+    report.iteration_table(plan.run_id, iteration, metrics)
+    progress.notify(iteration, metrics)
+    get_run_logger().info(
+        "iter %d: reward %.3f%s  length %.1f  step %.1f s  (orchestration %.2f s)", iteration,
+        metrics.get("critic/score/mean", float("nan")),
+        f"  val {metrics['val/score/mean']:.3f}" if "val/score/mean" in metrics else "",
+        metrics.get("response_length/mean", float("nan")), metrics["timing_s/step"], metrics["perf/orchestration_s"])
+    if iteration % cfg.trainer.save_every == 0:
+        _checkpoint(trainer, iteration)
+    return metrics
+
+
+def reconcile(trainer: Trainer) -> tuple[Engine, int]:
+    """(engine at the right version, next iteration), per the recovery contract."""
+    logger = get_run_logger()
+    run, plan = trainer.run, trainer.plan
+    finished = run.runs.last_finished_iteration() or 0
+    _restore_kl(trainer)
+    try:
+        engine = Engine.attach(plan.engine)
+        versions = engine.versions()
+        if all(v in (finished, finished + 1) for v in versions.values()):
+            logger.info("attached to the live engine of %s at versions %s", plan.run_id, versions)
+            return engine, finished + 1
+        logger.warning("the live engine is at versions %s, storage at iteration %d: restarting it",
+                       versions, finished)
+        engine.stop()
+    except EngineDeadError as err:
+        logger.info("no live engine (%s): starting one", err)
+    Engine.stop_run(plan.run_id, plan.engine.namespace)
+    engine = Engine.start(plan.engine)
+    ckpts = _checkpoint_store(trainer)
+    step = ckpts.resolve_loadable() if finished else None
+    if step:
+        engine.load(ckpts.step_url(step), run.store.storage_options())
+        logger.info("restored checkpoint step %d", step)
+    for iteration in range(1 + (step or 0), finished + 1):
+        replay(trainer, iteration)
+    return engine, finished + 1
+
+
+def replay(trainer: Trainer, iteration: int) -> None:
+    """Re-apply iteration k's updates from its persisted advantage buffer (no regeneration)."""
+    plan = trainer.plan
+    ref = load_ref(trainer.run.store, plan.run_id, iteration, "advantage")
+    if ref is None:
+        raise EngineDeadError(f"cannot replay iteration {iteration} of {plan.run_id}: its advantage buffer is "
+                              "missing and no later checkpoint exists")
+    get_run_logger().info("replaying the updates of iteration %d from %s", iteration, ref.uri)
+    advantage = StageResult(ref=ref)
+    with stage_options():
+        if plan.has_critic:
+            update_critic.submit(plan, iteration, advantage).result()
+        update_policy.submit(plan, iteration, advantage).result()
+
+
+def trainer_checkpoints(trainer: Trainer) -> list[int]:
+    return _checkpoint_store(trainer).committed_steps()
+
+
+def _checkpoint_store(trainer: Trainer) -> Any:
+    from infra.checkpoints import CheckpointStore
+
+    storage = trainer.cfg.storage
+    return CheckpointStore(trainer.run.store, trainer.plan.run_id, storage.keep_last, storage.keep_every)
+
+
+def _checkpoint(trainer: Trainer, iteration: int, force: bool = False) -> None:
+    if iteration <= 0 or (not force and iteration % trainer.cfg.trainer.save_every):
+        return
+    with stage_options():
+        save_checkpoint.submit(trainer.plan, iteration, trainer.trainer_state(iteration)).result()
+
+
+def _validate_before(trainer: Trainer) -> None:
+    """Validation of the initial policy: iteration 0's metrics line (the 'before' of a run)."""
+    with stage_options():
+        metrics = validate.submit(trainer.plan, 0).result().metrics
+    if metrics:
+        trainer.run.runs.write_metrics(0, metrics)
+        get_run_logger().info("iter 0: validation score %.3f before training", metrics["val/score/mean"])
+
+
+def _export(trainer: Trainer, engine: Engine, iteration: int) -> str:
+    url = trainer.run.store.url(f"{trainer.plan.run_id}/export/step_{iteration:06d}")
+    engine.export_hf(url, trainer.run.store.storage_options())
+    get_run_logger().info("exported Hugging Face weights to %s", url)
+    return url
+
+
+def _restore_kl(trainer: Trainer) -> None:
+    """The KL controller after the last finished iteration, from the metrics lines (exact, no drift)."""
+    for line in trainer.run.runs.read_metrics():
+        if "actor/kl_coef" in line:
+            trainer.kl.load_state_dict({"value": line["actor/kl_coef"]})
+            if "actor/reward_kl_penalty" in line:
+                trainer.kl.update(line["actor/reward_kl_penalty"],
+                                  n_steps=trainer.cfg.data.train_batch_size * trainer.cfg.rollout.n)
+
+
+def _last_iteration(cfg: RLConfig, first: int) -> int:
+    last = cfg.trainer.total_iterations
+    if cfg.trainer.iterations_per_run:
+        last = min(last, first + cfg.trainer.iterations_per_run - 1)
+    return last
+
+
+def _resolve(config_path: str | None, overrides: list[str], resume: str | None) -> tuple[RLConfig, str]:
+    if resume is None:
+        cfg = load_config(config_path, overrides)
+        return cfg, new_run_id(cfg)
+    base = load_config(config_path, overrides) if config_path else None
+    probe = base or load_config(None, [o for o in overrides if o.startswith("storage.")])
+    cfg = resume_config(ObjectStore.from_config(probe.storage), resume, base, overrides)
+    return cfg, resume
+
+
+def connect_ray(address: str, cfg: RLConfig) -> None:
+    """Join the Ray cluster that outlives the flow as a driver, before the flow starts: a RayTaskRunner
+    that finds Ray initialised uses it and leaves it running (one that starts Ray kills it at flow end,
+    and the detached engine with it)."""
+    if ray.is_initialized():
+        return
+    ray.init(address=address, namespace=cfg.ray.namespace, log_to_driver=False, logging_level="WARNING",
+             runtime_env={"env_vars": worker_env(cfg)})
+
+
+# What the Ray workers running stages need from this process's environment. Credentials travel here,
+# in Ray's runtime environment, never in Prefect parameters or results.
+_WORKER_ENV = ("PREFECT_API_URL", "PREFECT_HOME", "PREFECT_LOGGING_LEVEL", "PREFECT_LOCAL_STORAGE_PATH",
+               "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
+               "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION", "RLFLOW_CACHE", "HF_HOME",
+               "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "DO_NOT_TRACK")
+
+
+def worker_env(cfg: RLConfig) -> dict[str, str]:
+    env = {key: os.environ[key] for key in _WORKER_ENV if key in os.environ}
+    if cfg.storage.access_key_id is not None:
+        env["AWS_ACCESS_KEY_ID"] = cfg.storage.access_key_id.get_secret_value()
+    if cfg.storage.secret_access_key is not None:
+        env["AWS_SECRET_ACCESS_KEY"] = cfg.storage.secret_access_key.get_secret_value()
+    return env
+
+
+class _graceful_stop:
+    """First Ctrl-C: finish (and commit) the current iteration, then stop. Second: stop now."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def __enter__(self) -> None:
+        try:
+            self.previous = signal.signal(signal.SIGINT, self._handle)
+        except ValueError:  # not the main thread: leave signals alone
+            self.previous = None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.trainer.stop_requested:
+            raise KeyboardInterrupt
+        self.trainer.stop_requested = True
+        print("\nrlflow: stopping after this iteration is committed (Ctrl-C again to stop now)", flush=True)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+

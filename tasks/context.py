@@ -1,0 +1,143 @@
+"""What a stage needs, rebuilt inside whichever process runs it from a small JSON-able `RunPlan`.
+
+Stage tasks run in Ray worker processes; they receive the plan (public config, resolved paths), never
+an actor handle or a credential. Credentials reach the workers through the environment (the task
+runner's runtime_env), and the engine is found by run id.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from pydantic import BaseModel
+
+from engine.batch import Batch
+from engine.config import AlgorithmConfig, DataConfig, RewardConfig, RolloutConfig
+from engine.data import PromptDataset, load_prompts
+from engine.engine import Engine, EngineSpec
+from engine.models import encode_prompts, load_tokenizer, prompt_lengths
+from engine.sampler import PromptSampler
+from infra.checkpoints import CheckpointStore
+from infra.config import StorageConfig
+from infra.runs import RunStore
+from infra.store import ObjectStore
+from tasks.faults import FaultConfig
+
+
+class RunPlan(BaseModel):
+    """The run as every stage sees it, resolved once by the train flow. JSON-able, no credentials:
+    the storage section travels without them and the workers read them from their environment."""
+
+    run_id: str
+    created: str  # the run's incarnation: part of every cache key, so a deleted-and-recreated run misses
+    config_hash: str
+    model_path: str
+    tokenizer_path: str
+    train_files: list[str]
+    val_files: list[str]
+    engine: EngineSpec
+    data: DataConfig
+    rollout: RolloutConfig
+    algorithm: AlgorithmConfig
+    reward: RewardConfig
+    storage: StorageConfig
+    debug: FaultConfig = FaultConfig()
+
+    @property
+    def needs_ref(self) -> bool:
+        return self.engine.policy.use_ref
+
+    @property
+    def has_critic(self) -> bool:
+        return self.engine.critic is not None
+
+
+@dataclass
+class StageContext:
+    """Per-process, per-run state of the stages: config, stores, tokenizer, data, the attached engine."""
+
+    plan: RunPlan
+    store: ObjectStore
+    runs: RunStore
+    checkpoints: CheckpointStore
+    _cache: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokenizer(self) -> Any:
+        if "tokenizer" not in self._cache:
+            self._cache["tokenizer"] = load_tokenizer(self.plan.tokenizer_path,
+                                                      trust_remote_code=self.plan.engine.policy.trust_remote_code)
+        return self._cache["tokenizer"]
+
+    def dataset(self, split: str) -> PromptDataset:
+        """The train or val prompts, filtered by length exactly as the train flow checked them."""
+        if split not in self._cache:
+            files = self.plan.train_files if split == "train" else self.plan.val_files
+            self._cache[split] = load_prompts(
+                files, split=split, prompt_key=self.plan.data.prompt_key,
+                max_prompt_length=self.plan.data.max_prompt_length,
+                length_fn=lambda prompt: prompt_lengths(self.tokenizer, [prompt])[0],
+            )
+        return self._cache[split]  # type: ignore[no-any-return]
+
+    def engine(self) -> Engine:
+        """The run's live engine, attached by name (re-attached when a rank was replaced)."""
+        engine = self._cache.get("engine")
+        if engine is None:
+            engine = Engine.attach(self.plan.engine)
+            self._cache["engine"] = engine
+        return engine  # type: ignore[no-any-return]
+
+    def forget_engine(self) -> None:
+        self._cache.pop("engine", None)
+
+    def sampler_at(self, steps: int) -> PromptSampler:
+        data = self.plan.data
+        sampler = PromptSampler(len(self.dataset("train")), data.train_batch_size, data.seed, data.shuffle)
+        sampler.seek(steps)
+        return sampler
+
+    def prompt_batch(self, iteration: int) -> Batch:
+        """Iteration k's prompts (the sampler's step k-1), each repeated rollout.n times in a group."""
+        indices = self.sampler_at(iteration - 1).next_indices()
+        rows = [self.dataset("train")[i] for i in indices]
+        return self._encode(rows, indices).repeat_interleave(self.plan.rollout.n)
+
+    def val_batch(self) -> Batch:
+        rows = list(self.dataset("val"))
+        return self._encode(rows, list(range(len(rows))))
+
+    def _encode(self, rows: list[Any], indices: list[int]) -> Batch:
+        enc = encode_prompts(self.tokenizer, [r.prompt for r in rows])
+        return Batch(
+            {
+                "input_ids": enc.input_ids,  # [B, P] left padded
+                "attention_mask": enc.attention_mask,
+                "row_index": torch.tensor(indices, dtype=torch.long),  # the sampler's record
+                "group_id": torch.arange(len(rows), dtype=torch.long),  # one group per prompt
+            },
+            {
+                "data_source": [r.data_source for r in rows],
+                "ground_truth": [r.ground_truth for r in rows],
+                "extra_info": [r.extra_info for r in rows],
+            },
+        )
+
+
+def context(plan: RunPlan | dict[str, Any]) -> StageContext:
+    """The stage context of `plan` in this process (built once per process and run)."""
+    plan = plan if isinstance(plan, RunPlan) else RunPlan.model_validate(plan)
+    return _context(plan.model_dump_json())
+
+
+@functools.lru_cache(maxsize=4)
+def _context(plan_json: str) -> StageContext:
+    plan = RunPlan.model_validate_json(plan_json)
+    store = ObjectStore.from_config(plan.storage)
+    return StageContext(
+        plan=plan, store=store, runs=RunStore(store, plan.run_id),
+        checkpoints=CheckpointStore(store, plan.run_id, plan.storage.keep_last, plan.storage.keep_every),
+    )

@@ -1,0 +1,38 @@
+"""Faults on purpose, for tests of retry and recovery: `debug.fail_stage=update_policy debug.fail_times=1`.
+
+Off by default. The count of failures already injected is kept in the run's storage, so a retried or
+resumed flow run (a new process) sees how many times the stage has failed before.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from tasks.context import StageContext
+
+
+class FaultConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    fail_stage: str | None = Field(None, description="a stage task name that raises (tests only)")
+    fail_times: int = Field(1, ge=1, description="how many attempts of that stage fail")
+    fail_iteration: int | None = Field(None, ge=1, description="only this iteration (default: every one)")
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a stage that was told to fail (debug.fail_stage)."""
+
+
+def maybe_fail(ctx: StageContext, stage: str, iteration: int) -> None:
+    cfg = ctx.plan.debug
+    if cfg.fail_stage != stage or (cfg.fail_iteration is not None and cfg.fail_iteration != iteration):
+        return
+    key = ctx.runs.key("debug", f"{stage}_{iteration:06d}.failures")
+    count = int(ctx.store.get_bytes(key)) if ctx.store.exists(key) else 0
+    if count < cfg.fail_times:
+        ctx.store.put_bytes(key, str(count + 1).encode())
+        raise InjectedFault(f"debug.fail_stage={stage}: failure {count + 1} of {cfg.fail_times} "
+                            f"(iteration {iteration})")
