@@ -33,7 +33,7 @@ import struct
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any, Union
+from typing import IO, Any
 
 import numpy as np
 import pyarrow as pa
@@ -58,8 +58,8 @@ _ARROW_SCALARS: dict[type, pa.DataType] = {
 }  # fmt: skip
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
-Index = Union[Sequence[int], torch.Tensor, slice]
-PathOrFile = Union[str, "os.PathLike[str]", IO[bytes]]
+Index = Sequence[int] | torch.Tensor | slice
+PathOrFile = str | os.PathLike[str] | IO[bytes]
 
 
 @dataclass(eq=False, repr=False)
@@ -307,8 +307,7 @@ class Batch:
         """The Batch written by `to_arrow` (or read back from its parquet file)."""
         info = _read_info(table)
         tensors = {
-            key: _tensor_from_arrow(key, table, spec, info["B"])
-            for key, spec in info["tensors"].items()
+            key: _tensor_from_arrow(key, table, spec, info["B"]) for key, spec in info["tensors"].items()
         }
         columns = {key: _column_from_arrow(key, table, spec) for key, spec in info["columns"].items()}
         return cls(tensors, columns, info["meta"])
@@ -328,7 +327,9 @@ class Batch:
         """Read a Batch from a parquet path or a binary file object written by `to_parquet`."""
         if isinstance(path_or_file, os.PathLike):
             path_or_file = os.fspath(path_or_file)
-        return cls.from_arrow(pq.ParquetFile(path_or_file).read())
+        # use_threads=False: with torch loaded, arrow's decode threads can abort the process
+        # at interpreter exit (apache/arrow#34314); one buffer decodes fast on one thread.
+        return cls.from_arrow(pq.ParquetFile(path_or_file).read(use_threads=False))
 
     def to_parquet_bytes(self) -> bytes:
         """The parquet file of `to_parquet`, as bytes."""
@@ -360,8 +361,7 @@ def _check_types(tensors: Any, columns: Any, meta: Any) -> None:
             raise TypeError(f"Batch keys must be str, got {key!r}")
         if not isinstance(col, list):
             raise TypeError(
-                f"column {key!r} is a {type(col).__name__}, not a list"
-                " (use a tensor for numeric arrays)"
+                f"column {key!r} is a {type(col).__name__}, not a list (use a tensor for numeric arrays)"
             )
     both = sorted(set(tensors) & set(columns))
     if both:
@@ -377,8 +377,7 @@ def _check_lengths(tensors: dict[str, torch.Tensor], columns: dict[str, list[Any
     for key, length, kind in lengths[1:]:
         if length != size:
             raise ValueError(
-                f"{kind} {key!r} has length {length} but B={size}"
-                f" (from {first_kind} {first_key!r})"
+                f"{kind} {key!r} has length {length} but B={size} (from {first_kind} {first_key!r})"
             )
 
 
@@ -461,7 +460,7 @@ def _le_bytes(t: torch.Tensor) -> np.ndarray:
 
 def _hash_part(h: Any, data: bytes | np.ndarray) -> None:
     """Feed one length-prefixed part, so part boundaries are unambiguous."""
-    h.update(struct.pack("<Q", memoryview(data).nbytes))
+    h.update(struct.pack("<Q", len(data) if isinstance(data, bytes) else data.nbytes))
     h.update(data)
 
 
@@ -473,7 +472,9 @@ def _json_dumps(value: Any, what: str, canonical: bool = False) -> str:
     """JSON text of `value`; `canonical` sorts keys and drops whitespace."""
     try:
         if canonical:
-            return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=_reject)
+            return json.dumps(
+                value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=_reject
+            )
         return json.dumps(value, ensure_ascii=False, default=_reject)
     except (TypeError, ValueError) as e:
         raise TypeError(f"{what}: {e}") from e
@@ -543,7 +544,7 @@ def _column_to_arrow(key: str, values: list[Any]) -> tuple[pa.Array, dict[str, A
 
 
 def _column_from_arrow(key: str, table: pa.Table, info: dict[str, Any]) -> list[Any]:
-    values = _column(table, key).to_pylist()
+    values: list[Any] = _column(table, key).to_pylist()
     if info["encoding"] == "json":
         return [None if v is None else json.loads(v) for v in values]
     return values
