@@ -34,3 +34,33 @@ class RayConfig(_Section):
     namespace: str = "rlflow"
     max_concurrent_stages: int = Field(4, ge=1, description="stage tasks running at once (a custom resource)")
     placement: Literal["pack", "spread"] = "pack"
+
+
+class StackConfig(_Section):
+    """The local stack that `rlflow up` starts: a Prefect API server and a Ray head node (infra/stack.py)."""
+
+    home: str | None = Field(
+        default=None,
+        description="state folder (PIDs, logs, Prefect's SQLite); default: $RLFLOW_HOME or ~/.rlflow",
+    )
+    prefect_port: int = Field(default=4200, ge=1, le=65535, description="the Prefect server on 127.0.0.1")
+    prefect_api_url: str | None = Field(
+        default=None,
+        description="an external Prefect API (scale-out: a server with PostgreSQL); default: the local server",
+    )
+    ray_port: int = Field(default=6379, ge=1, le=65535, description="the Ray head's GCS port")
+    num_cpus: int | None = Field(
+        default=None,
+        ge=1,
+        description="the Ray head's logical CPUs; default: max(cores, 4), the engine's rank actors need 4",
+    )
+    ray_auth: Literal["token", "disabled"] = Field(
+        default="token",
+        description="Ray token authentication of the head; the token lives in the state folder",
+    )
+    start_timeout_s: float = Field(
+        default=180.0, gt=0, description="a service not healthy by then fails `up`"
+    )
+    stop_timeout_s: float = Field(
+        default=20.0, gt=0, description="after SIGTERM, wait this long before SIGKILL"
+    )

@@ -1,0 +1,643 @@
+"""The local stack: a Prefect API server and a Ray head node on this machine, started when absent.
+
+    info = ensure_stack()                    # what `rlflow train` calls: start what is missing, reuse the rest
+    apply_connect_env(info)                  # before ray.init / the flow: PREFECT_API_URL, RAY_ADDRESS, Ray token
+    @flow(task_runner=RayTaskRunner(address=info.ray_address, init_kwargs={"namespace": "rlflow"}))
+
+    LocalStack().up() / .down() / .status()  # `rlflow up | down | status`
+
+State folder (`$RLFLOW_HOME`, default ~/.rlflow):
+
+    stack/prefect.json  stack/ray.json       what runs: PID, process start time, port (one file per service)
+    stack/prefect.log   stack/ray.log        their output
+    stack/lock                               serialises up/down of concurrent commands
+    stack/ray_auth_token                     the Ray head's token (mode 0600)
+    prefect/                                 the Prefect server's PREFECT_HOME and its SQLite database
+
+Why it is built this way (measured on the 2-core dev machine with Prefect 3.9 and Ray 2.60):
+
+- Prefect's ephemeral mode starts one API server per Ray worker, all on one SQLite file ("database is
+  locked"): a real `prefect server start` is needed. Its URL reaches the Ray workers inside the task
+  context Prefect ships with every task, so the head node needs no PREFECT_API_URL.
+- A RayTaskRunner that starts Ray shuts it down when the flow ends, killing the detached engine: the
+  head runs here, in its own session (`ray start --block`; SIGTERM to it stops every Ray process).
+- Ray token authentication is on by default (`ray_auth="token"`), with rlflow's own token file in the
+  state folder. Ray's defaults are a trap here: `ray start --head` switches auth on when ~/.ray/auth_token
+  exists (any local `ray.init()` writes it), while `ray.init(address=...)` never does, so a client fails
+  after ~20 s with "Authentication token is missing". Setting RAY_AUTH_MODE explicitly on both sides
+  removes the dependence on that file. Ray reads RAY_AUTH_* when it is imported: see apply_connect_env.
+- RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0: on SIGTERM Ray 2.60 otherwise drains the node for 30 s,
+  which never finishes while a detached actor lives (there is no Serve here to quiesce).
+- Ray's temp dir is /tmp/rlflow-ray-<hash of the state folder>: its socket paths must fit in 107 bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, MutableMapping
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+from infra.config import RayConfig, StackConfig
+from infra.errors import InfraError
+
+logger = logging.getLogger(__name__)
+
+STAGE_RESOURCE = "rlflow_stage"  # the custom Ray resource that caps how many stage tasks run at once
+# The engine's rank actors take one logical CPU each: 2 policy + 2 critic ranks for the default world
+# size 2. Logical CPUs may exceed the cores (the ranks mostly take turns), so the head gets at least 4.
+ENGINE_MIN_CPUS = 4
+HOST = "127.0.0.1"
+
+ServiceName = Literal["prefect", "ray"]
+SERVICES: tuple[ServiceName, ...] = ("prefect", "ray")
+State = Literal["running", "unhealthy", "stale", "stopped"]
+
+_RAY_READY_LINE = b"Ray runtime started"  # what `ray start` prints once the node has registered
+_LOG_ROTATE_BYTES = 16 * 2**20
+# Inherited settings that would point a service at something other than this stack.
+_PREFECT_DROP = (
+    "PREFECT_API_URL",
+    "PREFECT_API_KEY",
+    "PREFECT_PROFILE",
+    "PREFECT_SERVER_DATABASE_",
+    "PREFECT_API_DATABASE_",
+)
+_RAY_DROP = ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+_SPAWNED: dict[int, subprocess.Popen[bytes]] = {}  # children of this process, polled so they are reaped
+
+
+@dataclass(frozen=True)
+class StackInfo:
+    """Where a flow process finds the stack."""
+
+    prefect_api_url: str
+    ray_address: str
+    ui_url: str
+    # None: not our head (an external cluster); its auth comes from the environment as it is.
+    ray_auth: Literal["token", "disabled"] | None = None
+    ray_token_path: str | None = None
+
+
+@dataclass(frozen=True)
+class ProcessRecord:
+    """What `up` wrote about a service it started: enough to find, check and stop it later."""
+
+    pid: int
+    start_ticks: int | None  # the process's start time, so that a reused PID is not taken for ours
+    port: int
+    log: str
+    log_offset: int  # the log's size before this start: readiness lines are looked for after it
+    started_at: float
+    temp_dir: str | None = None  # ray only, from here on
+    auth: Literal["token", "disabled"] | None = None
+    num_cpus: int | None = None
+    stage_slots: int | None = None
+
+
+@dataclass(frozen=True)
+class ServiceStatus:
+    name: ServiceName
+    state: State
+    address: str | None = None
+    pid: int | None = None
+    log: str | None = None
+    detail: str = ""
+    record: ProcessRecord | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class StackStatus:
+    home: Path
+    prefect: ServiceStatus
+    ray: ServiceStatus
+
+    @property
+    def running(self) -> bool:
+        return self.prefect.state == "running" and self.ray.state == "running"
+
+    def info(self) -> StackInfo:
+        if not self.running:
+            raise InfraError(f"the local stack is not running (prefect: {self.prefect.state}, ray: "
+                             f"{self.ray.state}); start it with `rlflow up`")  # fmt: skip
+        return _stack_info(prefect_api_url(_record(self, "prefect").port), _record(self, "ray"), self.home)
+
+    @property
+    def ray_running(self) -> bool:
+        return self.ray.state == "running"
+
+    @property
+    def ray_address(self) -> str | None:
+        """The head's address when it runs (also when Prefect does not)."""
+        return self.ray.address if self.ray_running else None
+
+
+def prefect_api_url(port: int) -> str:
+    return f"http://{HOST}:{port}/api"
+
+
+def resolve_home(home: str | Path | None = None) -> Path:
+    """The state folder: `home`, else $RLFLOW_HOME, else ~/.rlflow."""
+    chosen = home or os.environ.get("RLFLOW_HOME") or "~/.rlflow"
+    return Path(chosen).expanduser().resolve()
+
+
+def token_path(home: Path) -> Path:
+    return home / "stack" / "ray_auth_token"
+
+
+def ray_temp_dir(home: Path) -> Path:
+    """Short and fixed per state folder: Ray's socket paths below it must fit in 107 bytes."""
+    digest = hashlib.sha256(str(home).encode()).hexdigest()[:10]
+    return Path("/tmp") / f"rlflow-ray-{digest}"
+
+
+def default_num_cpus() -> int:
+    return max(os.cpu_count() or 1, ENGINE_MIN_CPUS)
+
+
+class LocalStack:
+    """The Prefect server and the Ray head of one state folder. Every method is safe to call again."""
+
+    def __init__(self, config: StackConfig | None = None, *, stage_slots: int | None = None) -> None:
+        self.config = config or StackConfig()
+        self.home = resolve_home(self.config.home)
+        # One default for the cap: the run config's ray.max_concurrent_stages.
+        self.stage_slots = stage_slots or RayConfig.model_fields["max_concurrent_stages"].default
+        self.num_cpus = self.config.num_cpus or default_num_cpus()
+
+    # -- the three commands -------------------------------------------------------------------------
+
+    def status(self) -> StackStatus:
+        return StackStatus(self.home, self._service_status("prefect"), self._service_status("ray"))
+
+    def up(self, services: tuple[ServiceName, ...] = SERVICES) -> StackStatus:
+        """Start every service in `services` that is not running; reuse those that are."""
+        details: dict[str, str] = {}
+        with self._lock():
+            before = {name: self._service_status(name) for name in services}
+            started: dict[ServiceName, ProcessRecord] = {}
+            for name, status in before.items():  # start all first: they boot in parallel
+                if status.state in ("running", "unhealthy"):
+                    continue  # unhealthy: perhaps still booting; waited for below
+                if status.state == "stale" and status.record is not None:
+                    self._stop(status.record)  # leftovers of the dead leader's session go too
+                    self._record_path(name).unlink(missing_ok=True)
+                started[name] = self._spawn(name)
+            deadline = time.monotonic() + self.config.start_timeout_s
+            for name, status in before.items():
+                if status.state == "running":
+                    details[name] = "already running" + self._differences(name, status.record)
+                    continue
+                record = started.get(name) or status.record
+                assert record is not None
+                self._wait_ready(name, record, deadline)
+                details[name] = f"started in {time.time() - record.started_at:.1f} s"
+        now = self.status()
+        return replace(now, **{name: replace(getattr(now, name), detail=d) for name, d in details.items()})
+
+    def down(self) -> list[str]:
+        """Stop what `up` started, by the recorded PIDs. Returns one line per service."""
+        lines = []
+        with self._lock():
+            for name in SERVICES:
+                record = self._read_record(name)
+                if record is None:
+                    lines.append(f"{name}: not running")
+                    continue
+                lines.append(f"{name}: {self._stop(record)}")
+                self._record_path(name).unlink(missing_ok=True)
+        return lines
+
+    def _differences(self, name: ServiceName, record: ProcessRecord | None) -> str:
+        """What the running service has that this config would not: it is reused as it is."""
+        if record is None:
+            return ""
+        wanted = {"port": self.config.prefect_port if name == "prefect" else self.config.ray_port}
+        if name == "ray":
+            wanted.update(num_cpus=self.num_cpus, stage_slots=self.stage_slots)
+        differ = [f"{key} {getattr(record, key)}, not {value}" for key, value in wanted.items()
+                  if getattr(record, key) != value]  # fmt: skip
+        return f" ({'; '.join(differ)}: `rlflow down` first to change)" if differ else ""
+
+    # -- one service ------------------------------------------------------------------------------
+
+    def _service_status(self, name: ServiceName) -> ServiceStatus:
+        record = self._read_record(name)
+        if record is None:
+            return ServiceStatus(name, "stopped", detail="not running")
+        address = prefect_api_url(record.port) if name == "prefect" else f"{HOST}:{record.port}"
+        if not _alive(record.pid, record.start_ticks):
+            state: State = "stale"
+            detail = f"process {record.pid} is gone (stale record)"
+        elif self._healthy(name, record):
+            state, detail = "running", "healthy"
+        else:
+            state, detail = "unhealthy", f"process {record.pid} runs but {address} does not answer"
+        return ServiceStatus(name, state, address, record.pid, record.log, detail, record)
+
+    def _healthy(self, name: ServiceName, record: ProcessRecord) -> bool:
+        if name == "prefect":
+            return _prefect_health(record.port)
+        return _port_open(record.port) and _log_has(Path(record.log), record.log_offset, _RAY_READY_LINE)
+
+    def _spawn(self, name: ServiceName) -> ProcessRecord:
+        port = self.config.prefect_port if name == "prefect" else self.config.ray_port
+        if _port_taken(port):
+            option = "--prefect-port" if name == "prefect" else "--ray-port"
+            raise InfraError(f"cannot start {name} on port {port}: another process uses it "
+                             f"(choose another with `rlflow up {option} P`)")  # fmt: skip
+        cmd, env = self._prefect_command(port) if name == "prefect" else self._ray_command(port)
+        log = self.home / "stack" / f"{name}.log"
+        _rotate(log)
+        offset = log.stat().st_size if log.exists() else 0
+        with open(log, "ab") as out:
+            out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
+            out.flush()
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    cwd=self.home, start_new_session=True)  # fmt: skip
+        _SPAWNED[proc.pid] = proc
+        record = ProcessRecord(pid=proc.pid, start_ticks=_start_ticks(proc.pid), port=port, log=str(log),
+                               log_offset=offset, started_at=time.time())  # fmt: skip
+        if name == "ray":
+            record = replace(record, temp_dir=str(ray_temp_dir(self.home)), auth=self.config.ray_auth,
+                             num_cpus=self.num_cpus, stage_slots=self.stage_slots)  # fmt: skip
+        self._write_record(name, record)
+        return record
+
+    def _prefect_command(self, port: int) -> tuple[list[str], dict[str, str]]:
+        prefect_home = self.home / "prefect"
+        prefect_home.mkdir(parents=True, exist_ok=True)
+        env = _env_without(_PREFECT_DROP)
+        env.update(
+            PREFECT_HOME=str(prefect_home),
+            PREFECT_SERVER_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{prefect_home / 'prefect.db'}",
+            PREFECT_SERVER_ANALYTICS_ENABLED="false",
+            PREFECT_SERVER_LOGGING_LEVEL="WARNING",
+            DO_NOT_TRACK="1",
+        )
+        cmd = [_executable("prefect"), "server", "start", "--host", HOST, "--port", str(port)]
+        return cmd, env
+
+    def _ray_command(self, port: int) -> tuple[list[str], dict[str, str]]:
+        temp = ray_temp_dir(self.home)
+        temp.mkdir(parents=True, exist_ok=True)
+        auth = self.config.ray_auth
+        env = _env_without(_RAY_DROP)
+        env.update(RAY_AUTH_MODE=auth, RAY_USAGE_STATS_ENABLED="0", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
+                   DO_NOT_TRACK="1")  # fmt: skip
+        if auth == "token":
+            env["RAY_AUTH_TOKEN_PATH"] = str(_ensure_token(token_path(self.home)))
+        cmd = [
+            _executable("ray"), "start", "--head", "--block", f"--port={port}", f"--node-ip-address={HOST}",
+            f"--num-cpus={self.num_cpus}", f"--resources={json.dumps({STAGE_RESOURCE: self.stage_slots})}",
+            "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}",
+            # Not the shared default 10001: Ray client (ray://) connections must not reach another head.
+            f"--ray-client-server-port={_free_port()}",
+        ]  # fmt: skip
+        return cmd, env
+
+    def _wait_ready(self, name: ServiceName, record: ProcessRecord, deadline: float) -> None:
+        while True:
+            if not _alive(record.pid, record.start_ticks):
+                if _log_has(Path(record.log), record.log_offset, b"address already in use"):
+                    raise InfraError(f"{name} could not listen on port {record.port}: another process took it "
+                                     f"while {name} started (log: {record.log})")  # fmt: skip
+                raise InfraError(f"{name} exited while starting: {_log_tail(Path(record.log), record.log_offset)} "
+                                 f"(log: {record.log})")  # fmt: skip
+            if self._healthy(name, record):
+                return
+            if time.monotonic() > deadline:
+                self._stop(record)
+                self._record_path(name).unlink(missing_ok=True)
+                raise InfraError(f"{name} did not become healthy within {self.config.start_timeout_s:.0f} s and "
+                                 f"was stopped (log: {record.log})")  # fmt: skip
+            time.sleep(0.25)
+
+    def _stop(self, record: ProcessRecord) -> str:
+        pid = record.pid
+        if not _alive(pid, record.start_ticks):
+            # Its PID may have been reused since, even as a session id: only processes that name our
+            # Ray temp dir (gcs_server, raylet, ... of a head whose `ray start` died) are surely ours.
+            if record.temp_dir:
+                _kill_session(pid, marker=record.temp_dir)
+            return f"was not running (stale record of pid {pid} removed)"
+        started = time.monotonic()
+        os.kill(pid, signal.SIGTERM)
+        how = "stopped"
+        if not _wait_gone(pid, record.start_ticks, self.config.stop_timeout_s):
+            how = f"killed after {self.config.stop_timeout_s:.0f} s"
+        _kill_session(pid)  # SIGKILL whatever is left in the session it started
+        _wait_gone(pid, record.start_ticks, 5.0)
+        return f"{how} (pid {pid}, {time.monotonic() - started:.1f} s)"
+
+    # -- state files ------------------------------------------------------------------------------
+
+    def _record_path(self, name: ServiceName) -> Path:
+        return self.home / "stack" / f"{name}.json"
+
+    def _read_record(self, name: ServiceName) -> ProcessRecord | None:
+        path = self._record_path(name)
+        try:
+            return ProcessRecord(**json.loads(path.read_text()))
+        except FileNotFoundError:
+            return None
+        except (ValueError, TypeError) as err:
+            raise InfraError(
+                f"unreadable stack state {path} ({err}); remove it after checking the process"
+            ) from None
+
+    def _write_record(self, name: ServiceName, record: ProcessRecord) -> None:
+        path = self._record_path(name)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(record), indent=1))
+        tmp.replace(path)
+
+    @contextlib.contextmanager
+    def _lock(self) -> Iterator[None]:
+        """One `up` or `down` at a time per state folder (two `rlflow train` starting at once)."""
+        (self.home / "stack").mkdir(parents=True, exist_ok=True)
+        with open(self.home / "stack" / "lock", "w") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+# -- what `rlflow train` and flow processes call -------------------------------------------------------
+
+
+def ensure_stack(config: StackConfig | None = None, ray: RayConfig | None = None) -> StackInfo:
+    """Start what is missing and return where everything is.
+
+    An external Ray cluster (`ray.address`) or Prefect API (`config.prefect_api_url`) is used as given,
+    and nothing is started in its place.
+    """
+    config = config or StackConfig()
+    ray_address = ray.address if ray else None
+    external = {"prefect": config.prefect_api_url, "ray": ray_address}
+    wanted = tuple(name for name in SERVICES if not external[name])
+    slots = ray.max_concurrent_stages if ray else None
+    status = LocalStack(config, stage_slots=slots).up(wanted) if wanted else None
+    api_url = config.prefect_api_url or prefect_api_url(_record(status, "prefect").port)
+    if ray_address:
+        return StackInfo(
+            prefect_api_url=api_url, ray_address=ray_address, ui_url=api_url.removesuffix("/api")
+        )
+    assert status is not None
+    return _stack_info(api_url, _record(status, "ray"), status.home)
+
+
+def _record(status: StackStatus | None, name: ServiceName) -> ProcessRecord:
+    record = getattr(status, name).record if status else None
+    if record is None:
+        raise InfraError(f"the local {name} service is not running; start it with `rlflow up`")
+    return record
+
+
+def _stack_info(api_url: str, ray_record: ProcessRecord, home: Path) -> StackInfo:
+    return StackInfo(
+        prefect_api_url=api_url,
+        ray_address=f"{HOST}:{ray_record.port}",
+        ui_url=api_url.removesuffix("/api"),
+        ray_auth=ray_record.auth,
+        ray_token_path=str(token_path(home)) if ray_record.auth == "token" else None,
+    )
+
+
+def connect_env(info: StackInfo) -> dict[str, str]:
+    """The environment a flow process (or a shell) needs to use the stack.
+
+    Also unset RAY_AUTH_TOKEN when `info.ray_auth` is set: it outranks RAY_AUTH_TOKEN_PATH.
+    `apply_connect_env` does both for the current process.
+    """
+    env = {"PREFECT_API_URL": info.prefect_api_url, "RAY_ADDRESS": info.ray_address, "DO_NOT_TRACK": "1"}
+    if info.ray_auth is not None:
+        env["RAY_AUTH_MODE"] = info.ray_auth
+    if info.ray_auth == "token" and info.ray_token_path:
+        env["RAY_AUTH_TOKEN_PATH"] = info.ray_token_path
+    return env
+
+
+def apply_connect_env(info: StackInfo, environ: MutableMapping[str, str] | None = None) -> None:
+    """Put `connect_env(info)` into this process's environment: call it before the flow runs.
+
+    Prefect and Ray both read their settings when imported; a change made afterwards is ignored unless
+    their cached copies are re-read. That is done here for whichever is already imported, as each
+    does itself when it changes settings (Prefect's `refresh_global_settings_context`, Ray's
+    `_enable_token_auth`). Setting the environment before importing either needs neither.
+    """
+    target = os.environ if environ is None else environ
+    target.update(connect_env(info))
+    if info.ray_auth is not None:
+        target.pop("RAY_AUTH_TOKEN", None)
+    if environ is not None:
+        return
+    if "prefect" in sys.modules:
+        from prefect.context import refresh_global_settings_context
+
+        refresh_global_settings_context()
+    if "ray" in sys.modules:
+        _reload_ray_auth_config()
+
+
+def _reload_ray_auth_config() -> None:
+    import ray
+
+    if ray.is_initialized():
+        logger.warning(
+            "Ray is already connected in this process; the stack's auth settings apply to new processes only"
+        )
+        return
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+    except (
+        ImportError,
+        AttributeError,
+    ) as err:  # a Ray without these internals: set the env before importing ray
+        logger.warning("could not refresh Ray's auth settings (%s): set them before importing ray", err)
+
+
+# -- processes, ports, files ------------------------------------------------------------------------
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat fields from field 3 (state) on; the command name may contain spaces."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return raw.rsplit(")", 1)[1].split()
+
+
+def _start_ticks(pid: int) -> int | None:
+    fields = _proc_stat(pid)
+    return int(fields[19]) if fields else None  # field 22: starttime
+
+
+def _alive(pid: int, start_ticks: int | None) -> bool:
+    """Alive and the same process: not a zombie, not a new process that reused the PID."""
+    child = _SPAWNED.get(pid)
+    if child is not None and child.poll() is not None:
+        return False
+    if not Path("/proc").is_dir():  # not Linux: existence is all we can check
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    fields = _proc_stat(pid)
+    if fields is None or fields[0] in ("Z", "X"):
+        return False
+    return start_ticks is None or int(fields[19]) == start_ticks
+
+
+def _wait_gone(pid: int, start_ticks: int | None, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid, start_ticks):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _kill_session(leader: int, marker: str | None = None) -> None:
+    """SIGKILL the processes of the session `leader` started (start_new_session: session id == its PID).
+
+    Ray's workers live in process groups of their own but keep the session. Called right after our
+    leader was verified and stopped: Linux does not hand out a PID that is still a session id, so while
+    members remain they are ours. With `marker`, only members whose command line contains it.
+    """
+    if not Path("/proc").is_dir():
+        if marker is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(leader, signal.SIGKILL)
+        return
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        fields = _proc_stat(int(entry.name))
+        if not fields or int(fields[3]) != leader or fields[0] in ("Z", "X"):  # field 6: session
+            continue
+        if marker is not None and marker not in _cmdline(int(entry.name)):
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(int(entry.name), signal.SIGKILL)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _prefect_health(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"{prefect_api_url(port)}/health", timeout=2.0) as response:
+            return bool(response.status == 200 and response.read().strip() == b"true")
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _port_open(port: int) -> bool:
+    try:
+        with socket.create_connection((HOST, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def _port_taken(port: int) -> bool:
+    """Something listens on the port, on any address (Ray's GCS binds to all of them)."""
+    if _port_open(port):
+        return True
+    with socket.socket() as sock:
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return True
+    return False
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def _env_without(prefixes: tuple[str, ...]) -> dict[str, str]:
+    return {key: value for key, value in os.environ.items() if not key.startswith(prefixes)}
+
+
+def _executable(name: str) -> str:
+    """The console script installed next to this Python (the venv), else on PATH."""
+    beside = Path(sys.executable).with_name(name)
+    found = str(beside) if beside.exists() else shutil.which(name)
+    if not found:
+        raise InfraError(f"`{name}` is not installed in this environment (pip install rlflow's dependencies)")
+    return found
+
+
+def _ensure_token(path: Path) -> Path:
+    """rlflow's own Ray token (never ~/.ray/auth_token: that file switches other Ray heads to token auth)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        if not path.read_text().strip():
+            raise InfraError(
+                f"the Ray token file {path} is empty; remove it and run `rlflow up` again"
+            ) from None
+        return path
+    with os.fdopen(fd, "w") as handle:
+        handle.write(secrets.token_hex(32))  # as `ray get-auth-token --generate`: 256 bits
+    return path
+
+
+def _rotate(log: Path) -> None:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    if log.exists() and log.stat().st_size > _LOG_ROTATE_BYTES:
+        log.replace(log.with_suffix(".log.1"))
+
+
+def _log_has(log: Path, offset: int, needle: bytes) -> bool:
+    try:
+        with open(log, "rb") as handle:
+            handle.seek(offset)
+            return needle in handle.read()
+    except FileNotFoundError:
+        return False
+
+
+def _log_tail(log: Path, offset: int, lines: int = 3) -> str:
+    try:
+        with open(log, "rb") as handle:
+            handle.seek(offset)
+            text = handle.read().decode(errors="replace")
+    except FileNotFoundError:
+        return "(no log)"
+    kept = [line.strip() for line in text.splitlines() if line.strip()]
+    return " | ".join(kept[-lines:]) or "(empty log)"

@@ -1,0 +1,93 @@
+"""Fixtures shared by every test tier.
+
+`s3_server` (session): a real S3 protocol server — `python -m infra.s3server`, moto with credential
+checking — in its own process on a free loopback port, with one bucket. Stopped by its PID at the end.
+`s3_env` (function): the AWS_* environment variables that point clients at it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+# The tests' own Ray heads run without token auth; Ray reads this when it is imported, so set it first.
+# (The local stack that the pipeline tests start uses tokens; its CLI subprocesses get RAY_AUTH_MODE=token.)
+os.environ["RAY_AUTH_MODE"] = "disabled"
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class S3Server:
+    endpoint_url: str
+    bucket: str
+    pid: int
+    env: dict[str, str]
+
+    @property
+    def port(self) -> int:
+        return int(self.endpoint_url.rsplit(":", 1)[1])
+
+
+def start_s3_server(bucket: str, port: int = 0, timeout_s: float = 30.0) -> tuple[subprocess.Popen, S3Server]:
+    """Start the dev S3 server as a subprocess and wait for its `endpoint <url>` line."""
+    from infra.s3server import env_for
+
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "infra.s3server", "--port", str(port), "--bucket", bucket],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("endpoint "):
+            endpoint = line.split()[1]
+            # Drain the rest of its output so the pipe never fills and blocks the server.
+            import threading
+
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
+            return proc, S3Server(endpoint, bucket, proc.pid, env_for(endpoint))
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise RuntimeError(f"the S3 server did not start (exit code {proc.poll()})")
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGTERM by PID, then SIGKILL if it does not exit."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    proc, server = start_s3_server("rlflow-test")
+    try:
+        yield server
+    finally:
+        stop_process(proc)
+
+
+@pytest.fixture
+def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """Point the standard AWS variables at the test server for this test."""
+    for key in ("AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    return s3_server.env

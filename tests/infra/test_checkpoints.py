@@ -1,0 +1,202 @@
+"""Checkpoints on both backends: dcp into the staging location, commit, verify, fallback, retention."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from infra.checkpoints import HASH_DIR, CheckpointFallbackWarning, CheckpointStore
+from infra.errors import IntegrityError, ObjectNotFound, StoreError
+from infra.store import ObjectStore
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Linear(8, 4)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8, generator=g)).sum().backward()
+    optim.step()
+    return {"model": model.state_dict(), "optim": optim.state_dict(), "extra": {"step": seed}}
+
+
+def _zeros_like(state: dict) -> dict:
+    def zero(v):
+        if isinstance(v, torch.Tensor):
+            return torch.zeros_like(v)
+        if isinstance(v, dict):
+            return {k: zero(x) for k, x in v.items()}
+        return v
+    return zero(state)
+
+
+def _flip_byte(store: ObjectStore, key: str) -> None:
+    data = bytearray(store.get_bytes(key))
+    data[len(data) // 2] ^= 0x01
+    store.put_bytes(key, bytes(data))
+
+
+def _load(state: dict, reader) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dcp warns that no process group is initialised
+        dcp.load(state, storage_reader=reader, no_dist=True)
+
+
+def _save(ckpts: CheckpointStore, step: int, state: dict) -> None:
+    ckpts.begin(step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dcp warns that no process group is initialised
+        dcp.save(state, storage_writer=ckpts.writer(step, "policy"), no_dist=True)
+    ckpts.write_trainer_state(step, {"iteration": step, "rng": [1, 2, 3]})
+    ckpts.commit(step)
+
+
+def test_dcp_save_into_staging_and_load_back(store: ObjectStore, tmp_path) -> None:
+    ckpts = CheckpointStore(store, "run1")
+    state = _state(3)
+    staging = ckpts.begin(3)
+    assert staging == store.url("run1/checkpoints/step_000003")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=ckpts.writer(3, "policy"), no_dist=True)
+    ckpts.write_trainer_state(3, {"iteration": 3})
+    assert ckpts.latest_committed() is None, "nothing is committed before commit()"
+    manifest = ckpts.commit(3)
+
+    paths = {f.path for f in manifest.files}
+    assert {"policy/.metadata", "trainer.json"} <= paths and any(p.endswith(".distcp") for p in paths)
+    assert not any(p.startswith(HASH_DIR) for p in paths)
+    for f in manifest.files:  # the hashes made while writing are the hashes of what is stored
+        assert hashlib.sha256(store.get_bytes(f"run1/checkpoints/step_000003/{f.path}")).hexdigest() == f.sha256
+    assert ckpts.latest_committed() == 3 and ckpts.latest_pointer() == 3
+    assert store.get_bytes("run1/checkpoints/LATEST") == b"step_000003\n"
+
+    loaded = ckpts.load_latest()
+    assert loaded is not None and loaded.step == 3 and loaded.trainer_state == {"iteration": 3}
+    target = _zeros_like(state)
+    _load(target, ckpts.reader(3, "policy"))
+    assert torch.equal(target["model"]["weight"], state["model"]["weight"])
+    assert torch.equal(target["optim"]["state"][0]["exp_avg"], state["optim"]["state"][0]["exp_avg"])
+
+    local = ckpts.load_latest(local_dir=str(tmp_path / "cache"))
+    assert local is not None and local.url == str(tmp_path / "cache" / "step_000003")
+    target = _zeros_like(state)
+    _load(target, ckpts.reader(3, "policy", base_url=local.url))
+    assert torch.equal(target["model"]["bias"], state["model"]["bias"])
+
+
+def test_uncommitted_step_is_ignored_and_cleaned_by_begin(store: ObjectStore) -> None:
+    ckpts = CheckpointStore(store, "run1")
+    _save(ckpts, 1, _state(1))
+    ckpts.begin(2)
+    ckpts.write_bytes(2, "policy/__0_0.distcp", b"half a shard")  # the save crashed here
+    assert ckpts.committed_steps() == [1] and ckpts.latest_committed() == 1
+    assert ckpts.load_latest().step == 1
+    ckpts.begin(2)  # a new attempt at step 2 starts clean
+    assert store.list("run1/checkpoints/step_000002") == []
+
+
+def test_begin_refuses_a_committed_step_unless_overwrite(store: ObjectStore) -> None:
+    ckpts = CheckpointStore(store, "run1")
+    _save(ckpts, 1, _state(1))
+    with pytest.raises(StoreError, match="step_000001 is already committed"):
+        ckpts.begin(1)
+    store.delete("run1/checkpoints/LATEST")  # as if the first commit died right after MANIFEST
+    assert ckpts.commit(1) == ckpts.read_manifest(1)  # a retried commit is a no-op...
+    assert ckpts.latest_pointer() == 1  # ...that completes LATEST
+    ckpts.begin(1, overwrite=True)
+    assert ckpts.latest_committed() is None
+    with pytest.raises(StoreError, match="nothing to commit"):
+        ckpts.commit(1)
+
+
+def test_flipped_byte_falls_back_with_a_warning_naming_the_file(store: ObjectStore, caplog) -> None:
+    ckpts = CheckpointStore(store, "run1")
+    _save(ckpts, 1, _state(1))
+    _save(ckpts, 2, _state(2))
+    shard = next(f.path for f in ckpts.read_manifest(2).files if f.path.endswith(".distcp"))
+    _flip_byte(store, f"run1/checkpoints/step_000002/{shard}")
+
+    with pytest.raises(IntegrityError, match=shard):
+        ckpts.verify(2)
+    with pytest.warns(CheckpointFallbackWarning, match=f"step 2 .*{shard}.*falling back to step 1"):
+        loaded = ckpts.load_latest()
+    assert loaded is not None and loaded.step == 1
+    assert shard in caplog.text
+    with pytest.warns(CheckpointFallbackWarning, match=shard):
+        assert ckpts.resolve_loadable() == 1
+    target = _zeros_like(_state(1))
+    _load(target, ckpts.reader(loaded.step, "policy"))
+    assert torch.equal(target["model"]["weight"], _state(1)["model"]["weight"])
+
+
+def test_missing_and_truncated_files_fail_verification(store: ObjectStore, tmp_path) -> None:
+    ckpts = CheckpointStore(store, "run1", keep_last=5)
+    for step in (1, 2):
+        ckpts.begin(step)
+        ckpts.write_bytes(step, "a.bin", b"a" * 1000)
+        ckpts.write_bytes(step, "b.bin", b"b" * 1000)
+        ckpts.commit(step)
+    store.delete("run1/checkpoints/step_000001/a.bin")
+    store.put_bytes("run1/checkpoints/step_000002/b.bin", b"b" * 999)
+    with pytest.raises(IntegrityError, match="step_000001/a.bin is missing"):
+        ckpts.verify(1)
+    with pytest.raises(IntegrityError, match="step_000002/b.bin has 999 bytes"):
+        ckpts.verify(2)
+    with pytest.raises(IntegrityError, match="b.bin has 999 bytes"):
+        ckpts.fetch(2, str(tmp_path / "x"))
+    with pytest.warns(CheckpointFallbackWarning) as record:
+        assert ckpts.load_latest() is None
+    messages = [str(w.message) for w in record]
+    assert "b.bin has 999 bytes" in messages[0] and "falling back to step 1" in messages[0]
+    assert "a.bin is missing" in messages[1] and "no older committed checkpoint" in messages[1]
+    with pytest.raises(ObjectNotFound, match="not committed"):
+        ckpts.read_manifest(9)
+
+
+def test_files_written_without_the_store_are_hashed_at_commit(store: ObjectStore, tmp_path) -> None:
+    ckpts = CheckpointStore(store, "run1")
+    ckpts.begin(5)
+    store.put_bytes("run1/checkpoints/step_000005/raw.bin", b"written by someone else")
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    (tmp_path / "d" / "sub" / "f.bin").write_bytes(b"f" * 5000)
+    (tmp_path / "one.bin").write_bytes(b"1" * 100)
+    ckpts.put_dir(5, str(tmp_path / "d"), rel="critic")
+    ckpts.put_file(5, "one.bin", str(tmp_path / "one.bin"))
+    manifest = ckpts.commit(5)
+    by_path = {f.path: f for f in manifest.files}
+    assert set(by_path) == {"raw.bin", "critic/sub/f.bin", "one.bin"}
+    assert by_path["raw.bin"].sha256 == hashlib.sha256(b"written by someone else").hexdigest()
+    assert manifest.total_bytes == 23 + 5000 + 100
+    assert json.loads(store.get_bytes("run1/checkpoints/step_000005/MANIFEST.json"))["step"] == 5
+    ckpts.verify(5)
+
+
+def test_retention_keeps_last_k_and_every_m(store: ObjectStore) -> None:
+    ckpts = CheckpointStore(store, "run1", keep_last=2, keep_every=4)
+    for step in range(1, 10):
+        ckpts.begin(step)
+        ckpts.write_bytes(step, "shard", str(step).encode())
+        ckpts.commit(step)
+    assert ckpts.committed_steps() == [4, 8, 9]
+    assert store.list("run1/checkpoints/step_000005") == []
+    # An abandoned, uncommitted older step is tidied too; LATEST's step is never deleted.
+    ckpts.begin(3)
+    ckpts.write_bytes(3, "shard", b"crashed")
+    store.put_bytes("run1/checkpoints/LATEST", b"step_000004\n")
+    assert ckpts.apply_retention() == []
+    assert store.list("run1/checkpoints/step_000003") == []
+    assert ckpts.committed_steps() == [4, 8, 9]
+    one = CheckpointStore(store, "run2", keep_last=1)
+    for step in (1, 2):
+        one.begin(step)
+        one.write_bytes(step, "shard", b"x")
+        one.commit(step)
+    assert one.committed_steps() == [2] and one.latest_pointer() == 2
