@@ -1,0 +1,87 @@
+"""`rlflow up | down | status`: the local stack, a Prefect server and a Ray head node (infra/stack.py)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+from infra.config import StackConfig
+from infra.stack import LocalStack, ServiceStatus, StackStatus, connect_env
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    up = sub.add_parser(
+        "up",
+        help="start the local stack: Prefect server and Ray head node (what runs is reused)",
+        description="Start a Prefect server on 127.0.0.1 (SQLite in the state folder, $RLFLOW_HOME or "
+        "~/.rlflow) and a Ray head node, each in the background. What already runs is reused.",
+    )
+    up.add_argument("--prefect-port", type=int, default=None, metavar="P", help="default: 4200")
+    up.add_argument("--ray-port", type=int, default=None, metavar="R", help="default: 6379")
+    up.add_argument(
+        "--num-cpus", type=int, default=None, metavar="N", help="Ray logical CPUs (default: max(cores, 4))"
+    )
+    up.set_defaults(func=_up)
+    down = sub.add_parser("down", help="stop the local stack (the processes `rlflow up` started)")
+    down.set_defaults(func=_down)
+    status = sub.add_parser(
+        "status", help="what runs where: Prefect UI, Ray address, PIDs (exit code 1 unless both run)"
+    )
+    status.add_argument(
+        "--env", action="store_true", help="print `export` lines that point a shell at the stack"
+    )
+    status.set_defaults(func=_status)
+
+
+def _config(args: argparse.Namespace) -> StackConfig:
+    chosen = {"prefect_port": args.prefect_port, "ray_port": args.ray_port, "num_cpus": args.num_cpus}
+    return StackConfig(**{key: value for key, value in chosen.items() if value is not None})
+
+
+def _up(args: argparse.Namespace) -> int:
+    stack = LocalStack(_config(args))
+    print(f"state folder {stack.home}")
+    _print(stack.up())
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    stack = LocalStack()
+    lines = stack.down()
+    if all(line.endswith(": not running") for line in lines):
+        print(f"nothing is running (state folder {stack.home})")
+        return 0
+    print("\n".join(lines))
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    status = LocalStack().status()
+    if args.env:
+        for key, value in connect_env(status.info()).items():
+            print(f"export {key}={shlex.quote(value)}")
+        return 0
+    print(f"state folder {status.home}")
+    _print(status)
+    return 0 if status.running else 1
+
+
+def _print(status: StackStatus) -> None:
+    for service in (status.prefect, status.ray):
+        print(_line(service))
+    if status.prefect.state == "running":
+        print(f"Prefect UI   {status.prefect.address.removesuffix('/api') if status.prefect.address else ''}")
+    if status.ray.state == "running":
+        print(f"Ray address  {status.ray.address}")
+
+
+def _line(service: ServiceStatus) -> str:
+    if service.state == "stopped":
+        return f"{service.name:8} stopped"
+    parts = [f"{service.name:8} {service.state:9} pid {service.pid:<7} {service.address}"]
+    record = service.record
+    if service.name == "ray" and record is not None:
+        parts.append(f"{record.num_cpus} CPUs, {record.stage_slots} stage slots, auth {record.auth}")
+    parts.append(service.detail)
+    parts.append(f"log {service.log}")
+    return "  ".join(parts)
