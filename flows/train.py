@@ -36,7 +36,8 @@ from flows.config import RLConfig, load_config
 from flows.plan import OpenRun, new_run_id, open_run, resume_config
 from infra.buffers import load_ref
 from infra.store import ObjectStore
-from tasks.context import RunPlan
+from tasks.context import RunPlan, context
+from tasks.faults import maybe_kill_flow
 from tasks.stages import (
     StageResult,
     compute_advantages,
@@ -72,6 +73,9 @@ def rl_iteration(plan: RunPlan, iteration: int, kl_coef: float) -> dict[str, flo
     remax = get_adv_estimator(plan.algorithm.adv_estimator).needs_baseline
     with stage_options():
         rollout = generate_rollouts.submit(plan, iteration)
+        if plan.debug.kill_flow_after == "generate_rollouts":
+            rollout.result()
+            maybe_kill_flow(context(plan), "generate_rollouts", iteration)
         baseline = generate_baseline.submit(plan, iteration, wait_for=[rollout]) if remax else None
         reward = score_rewards.submit(plan, iteration, rollout)  # overlaps the log-probs
         baseline_reward = score_baseline.submit(plan, iteration, baseline) if baseline is not None else None
@@ -79,20 +83,25 @@ def rl_iteration(plan: RunPlan, iteration: int, kl_coef: float) -> dict[str, flo
         advantage = compute_advantages.submit(plan, iteration, rollout, reward, logprob, kl_coef, baseline_reward)
         critic = update_critic.submit(plan, iteration, advantage) if plan.has_critic else None
         policy = update_policy.submit(plan, iteration, advantage, wait_for=[critic] if critic else [])
-        results: list[StageResult] = [f.result() for f in
-                                      (rollout, baseline, reward, baseline_reward, logprob, advantage, critic, policy)
-                                      if f is not None]
+        futures = {name: f for name, f in (("generate_rollouts", rollout), ("generate_baseline", baseline),
+                                           ("score_rewards", reward), ("score_baseline", baseline_reward),
+                                           ("compute_logprobs", logprob), ("compute_advantages", advantage),
+                                           ("update_critic", critic), ("update_policy", policy)) if f is not None}
+        results = {name: f.result() for name, f in futures.items()}
+    # A stage is reused when Prefect returned its cached result, or it found its complete buffer.
+    reused = sorted(n for n, f in futures.items() if f.state.name == "Cached" or results[n].reused)
+    if reused:
+        get_run_logger().info("iteration %d: reused %s (no regeneration)", iteration, ", ".join(reused))
     metrics: dict[str, float] = {}
-    for result in results:
+    for result in results.values():
         metrics.update(result.metrics)
     step_s = time.perf_counter() - start
     metrics["timing_s/step"] = step_s
-    reused = sum(r.reused for r in results)
     compute = sum(metrics.get(k, 0.0) for k in _COMPUTE) if not reused else step_s
     metrics["perf/orchestration_s"] = max(0.0, step_s - compute)
     metrics["perf/time_per_step"] = step_s
     metrics["perf/throughput"] = metrics.get("perf/total_num_tokens", 0.0) / step_s
-    metrics["stages/reused"] = float(reused)
+    metrics["stages/reused"] = float(len(reused))
     return metrics
 
 

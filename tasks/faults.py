@@ -20,6 +20,8 @@ class FaultConfig(BaseModel):
     fail_stage: str | None = Field(None, description="a stage task name that raises (tests only)")
     fail_times: int = Field(1, ge=1, description="how many attempts of that stage fail")
     fail_iteration: int | None = Field(None, ge=1, description="only this iteration (default: every one)")
+    kill_flow_after: str | None = Field(None, description="SIGKILL the flow process once this stage is done")
+    kill_iteration: int = Field(1, ge=1, description="the iteration of kill_flow_after")
 
 
 class InjectedFault(RuntimeError):
@@ -36,3 +38,15 @@ def maybe_fail(ctx: StageContext, stage: str, iteration: int) -> None:
         ctx.store.put_bytes(key, str(count + 1).encode())
         raise InjectedFault(f"debug.fail_stage={stage}: failure {count + 1} of {cfg.fail_times} "
                             f"(iteration {iteration})")
+
+
+def maybe_kill_flow(ctx: StageContext, stage: str, iteration: int) -> None:
+    """SIGKILL this (flow) process once, right after `stage` of `kill_iteration` finished: a crash."""
+    import os
+    import signal
+
+    cfg = ctx.plan.debug
+    if cfg.kill_flow_after != stage or cfg.kill_iteration != iteration:
+        return
+    if ctx.store.put_if_absent(ctx.runs.key("debug", f"killed_after_{stage}_{iteration:06d}"), b"1"):
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -34,7 +34,8 @@ def ray_head(num_cpus: int = 4, stage_slots: int = 4) -> Iterator[str]:
     """
     port = free_port()
     temp = tempfile.mkdtemp(prefix="rlr", dir="/tmp")
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    # Explicit: with ~/.ray/auth_token present, `ray start` would turn token auth on by itself.
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
     cmd = [_ray_bin(), "start", "--head", "--block", f"--port={port}", f"--num-cpus={num_cpus}",
            "--include-dashboard=false", f"--temp-dir={temp}", f'--resources={{"rlflow_stage": {stage_slots}}}',
            "--disable-usage-stats"]

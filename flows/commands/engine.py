@@ -35,12 +35,15 @@ def connect(address: str | None) -> None:
 
 
 def _stack_address() -> str | None:
-    try:
-        from infra.stack import LocalStack
-    except ImportError:
-        return None
+    """The local stack's Ray head, with its connection settings (auth token) applied to this process."""
+    from infra.stack import LocalStack, apply_connect_env
+
     status = LocalStack().status()
-    return status.ray_address if status.ray_running else None
+    if not status.running:
+        return None
+    info = status.info()
+    apply_connect_env(info)
+    return info.ray_address
 
 
 def _list(args: argparse.Namespace) -> int:

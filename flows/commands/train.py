@@ -42,6 +42,8 @@ def _train(args: argparse.Namespace) -> int:
     from flows.plan import new_run_id
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    for noisy in ("httpx", "httpcore", "urllib3", "botocore", "aiobotocore", "s3fs", "fsspec"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     path, overrides = split_config_args(args.args)
     overrides = strip_secrets(overrides)
     cfg = load_config(path, overrides)  # a bad config fails here, before anything starts
