@@ -280,3 +280,23 @@ def test_critic_values_and_update(ray_address: str, tiny_model_dir: Path) -> Non
         assert last["critic/vf_loss"] < first["critic/vf_loss"]
     finally:
         eng.stop()
+
+
+def test_cli_engine_list_and_stop(ray_address: str, tiny_model_dir: Path) -> None:
+    eng = Engine.start(make_spec(tiny_model_dir, "cli-run", world_size=1, use_ref=False))
+    repo = Path(__file__).resolve().parents[2]
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "flows.cli", "engine", *args, "--address", ray_address],
+                              capture_output=True, text=True, timeout=120, cwd=repo)
+
+    try:
+        listed = cli("list")
+        assert listed.returncode == 0, listed.stderr
+        assert "cli-run" in listed.stdout and "policy" in listed.stdout
+        stopped = cli("stop", "cli-run")
+        assert stopped.returncode == 0 and "stopped cli-run: policy" in stopped.stdout
+        assert "cli-run" not in list_engines()
+        assert cli("stop", "cli-run").returncode == 1
+    finally:
+        eng.stop()
