@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "flows.commands.infra",
     "flows.commands.runs",
     "flows.commands.engine",
+    "flows.commands.doctor",
 )
 
 

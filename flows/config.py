@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.config import (
     ActorConfig,
@@ -27,6 +27,7 @@ from engine.config import (
     RolloutConfig,
 )
 from engine.errors import ConfigError
+from flows.loggers import LoggerName
 from infra.config import RayConfig, StorageConfig
 from tasks.faults import FaultConfig
 
@@ -48,6 +49,38 @@ class TrainerConfig(BaseModel):
     export_at_end: bool = True
     keep_engine: bool = Field(False, description="leave the engine actors running after the run")
     stage_timeout_s: float = Field(1800.0, gt=0, description="a stage running longer fails")
+    loggers: list[LoggerName] = Field(
+        default_factory=list,
+        description="metric loggers besides metrics.jsonl: tensorboard, wandb (offline), mlflow (local "
+        "SQLite); a list or comma-separated; needs pip install 'rlflow[loggers]'",
+    )
+    log_dir: str | None = Field(
+        None,
+        description="local folder of the loggers' files, one subfolder per run; default: "
+        "<storage.root>/<run_id>/logs, or ./runs/<run_id>/logs when storage is S3",
+    )
+
+    @field_validator("loggers", mode="before")
+    @classmethod
+    def _split_loggers(cls, value: Any) -> Any:
+        # `trainer.loggers=tensorboard,wandb` on the command line arrives as one string.
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("loggers")
+    @classmethod
+    def _unique_loggers(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("each logger at most once")
+        return value
+
+    @field_validator("log_dir")
+    @classmethod
+    def _local_log_dir(cls, value: str | None) -> str | None:
+        if value is not None and "://" in value and not value.startswith("file://"):
+            raise ValueError("must be a local folder: the loggers write local files (storage.root may be S3)")
+        return value
 
 
 class RLConfig(BaseModel):
@@ -115,9 +148,18 @@ class RLConfig(BaseModel):
         return data
 
     def config_hash(self) -> str:
-        """sha256 of the public config, canonical JSON."""
-        blob = json.dumps(self.public_dict(), sort_keys=True, separators=(",", ":")).encode()
+        """sha256 of what decides the numbers (canonical JSON): the engine's attach check and the stage
+        cache keys use it. Where results go, how often to save or validate, loggers, timeouts and
+        faults are left out, so changing them on a resume keeps the live engine and cached stages."""
+        data = self.public_dict()
+        for section in ("storage", "ray", "debug"):
+            data.pop(section, None)
+        data["trainer"] = {k: data["trainer"][k] for k in _SEMANTIC_TRAINER_KEYS}
+        blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()
+
+
+_SEMANTIC_TRAINER_KEYS = ("total_iterations", "world_size", "device", "seed")
 
 
 class _CrossSectionError(ValueError):

@@ -33,6 +33,7 @@ from engine.errors import EngineDeadError
 from flows import progress, report
 from flows.algorithms import stages_for
 from flows.config import RLConfig, load_config
+from flows.loggers import MetricLoggers, require_packages, run_log_dir
 from flows.plan import OpenRun, new_run_id, open_run, resume_config
 from infra.buffers import load_ref
 from infra.store import ObjectStore
@@ -111,6 +112,7 @@ class Trainer:
 
     run: OpenRun
     kl: Any
+    loggers: Any
     history: list[dict[str, Any]] = field(default_factory=list)
     stop_requested: bool = False
 
@@ -133,8 +135,11 @@ def train(config_path: str | None = None, overrides: list[str] | None = None, re
     """Train (or resume) one run; returns a summary. Parameters are JSON-able and hold no credentials."""
     logger = get_run_logger()
     cfg, run_id = _resolve(config_path, list(overrides or []), resume)
+    require_packages(cfg.trainer.loggers)  # a missing logger package fails before anything starts
     run = open_run(cfg, run_id, resume=resume is not None)
-    trainer = Trainer(run, make_kl_controller(cfg.algorithm))
+    log_dir = run_log_dir(cfg.trainer.log_dir, storage_root=cfg.storage.root, run_id=run_id)
+    loggers = MetricLoggers.create(cfg.trainer.loggers, run_id=run_id, log_dir=str(log_dir), config=cfg.public_dict())
+    trainer = Trainer(run, make_kl_controller(cfg.algorithm), loggers)
     try:
         stages_for(cfg)  # refuses a stage that reads a column nobody writes, before launch
         engine, first = reconcile(trainer)
@@ -162,6 +167,7 @@ def train(config_path: str | None = None, overrides: list[str] | None = None, re
         return {"run_id": run_id, "finished_iteration": finished, "export": export,
                 "storage": run.store.url(run_id), "stopped_early": trainer.stop_requested}
     finally:
+        loggers.close()
         run.lease.release()
 
 
@@ -177,6 +183,7 @@ def run_iteration(trainer: Trainer, iteration: int) -> dict[str, float]:
             metrics.update(validate.submit(plan, iteration).result().metrics)
     trainer.run.runs.write_metrics(iteration, metrics)
     report.iteration_table(plan.run_id, iteration, metrics)
+    trainer.loggers.log(iteration, metrics)
     progress.notify(iteration, metrics)
     get_run_logger().info(
         "iter %d: reward %.3f%s  length %.1f  step %.1f s  (orchestration %.2f s)", iteration,

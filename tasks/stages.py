@@ -291,11 +291,9 @@ def save_checkpoint(plan: RunPlan, iteration: int, trainer_state: dict[str, Any]
     staging = ckpts.begin(iteration)
     ctx.engine().save(staging, ctx.store.storage_options())
     ckpts.write_trainer_state(iteration, trainer_state)
-    ckpts.commit(iteration)
-    removed = ckpts.apply_retention()
+    ckpts.commit(iteration)  # MANIFEST, then LATEST, then retention
     seconds = time.perf_counter() - start
-    get_run_logger().info("checkpoint step %d committed at %s in %.2f s (retention removed %s)",
-                          iteration, staging, seconds, removed or "nothing")
+    get_run_logger().info("checkpoint step %d committed at %s in %.2f s", iteration, staging, seconds)
     return StageResult(metrics={"timing_s/save_checkpoint": seconds})
 
 

@@ -110,3 +110,12 @@ def test_cli_bad_override_prints_one_line_and_exits_nonzero(override: str) -> No
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("rlflow: error: ") and override.split("=")[0] in lines[0]
+
+
+def test_config_hash_ignores_where_and_how_often_but_not_what() -> None:
+    base = load_config().config_hash()
+    for same in (["storage.root=s3://b/p"], ["trainer.save_every=3", "trainer.val_every=0"],
+                 ["trainer.loggers=tensorboard"], ["debug.fail_stage=update_policy"]):
+        assert load_config(None, same).config_hash() == base, same
+    for other in (["trainer.seed=1"], ["rollout.n=4"], ["trainer.total_iterations=7"]):
+        assert load_config(None, other).config_hash() != base, other

@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--steps",
         type=int,
         default=None,
-        help="supervised warm-start steps (default: the tuned recipe, engine.tiny.DEFAULT_STEPS; 0: untrained)",
+        help="supervised warm-start steps (default: tuned per task, engine.tiny.DEFAULT_STEPS; 0: untrained)",
     )
     make.set_defaults(func=_make_tiny)
 

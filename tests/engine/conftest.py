@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -18,13 +17,3 @@ def ray_address() -> Iterator[str]:
             yield address
         finally:
             ray.shutdown()
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A quickly built tiny model (few warm-start steps): real files, loaded like any HF model."""
-    from engine.tiny import build_tiny
-
-    out = tmp_path_factory.mktemp("tiny") / "model"
-    build_tiny(out, task="arith", seed=0, steps=30)
-    return out

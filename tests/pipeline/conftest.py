@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.conftest import tiny_model_dir  # noqa: F401 - a shared session fixture
 from tests.services import free_port
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,0 +1,158 @@
+"""Loading models and tokenizers, prompts to left-padded tokens, responses to text, the tiny cache."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from engine import tiny
+from engine.config import ModelConfig
+from engine.errors import ConfigError
+from engine.models import (
+    ModelLoadError,
+    decode_responses,
+    encode_prompts,
+    load_model,
+    load_model_and_tokenizer,
+    load_tokenizer,
+    prepare_tokenizer,
+    prompt_lengths,
+    prompt_text,
+    resolve_model_path,
+)
+
+CHAT = [{"role": "user", "content": "12+345="}]
+
+
+def _tokenizer_without_pad(directory: Path) -> Path:
+    vocab = {t: i for i, t in enumerate(["</s>", "<unk>", *"0123456789+="])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>", unk_token="<unk>").save_pretrained(
+        directory
+    )
+    return directory
+
+
+def test_missing_pad_token_uses_eos_with_a_log_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="rlflow.models"):
+        tokenizer = load_tokenizer(str(_tokenizer_without_pad(tmp_path / "tok")))
+    assert tokenizer.pad_token == "</s>" and tokenizer.pad_token_id == tokenizer.eos_token_id
+    assert tokenizer.padding_side == "left"
+    assert any("no pad token" in r.getMessage() and r.name == "rlflow.models" for r in caplog.records)
+    enc = encode_prompts(tokenizer, ["1+1=", "12+34="])  # pads with eos
+    assert enc.input_ids[0, :2].tolist() == [tokenizer.eos_token_id] * 2
+
+
+def test_no_pad_and_no_eos_is_a_clear_error() -> None:
+    core = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    with pytest.raises(ModelLoadError, match="neither a pad nor an eos"):
+        prepare_tokenizer(PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>"))
+
+
+def test_chat_prompts_use_the_template(tiny_dir: Path) -> None:
+    tokenizer = load_tokenizer(str(tiny_dir))
+    assert prompt_text(tokenizer, CHAT) == "<s><|user|>12+345=<|assistant|>"
+    ids = encode_prompts(tokenizer, [CHAT]).input_ids[0].tolist()
+    assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1  # no double bos
+    assert ids[-1] == tokenizer.convert_tokens_to_ids("<|assistant|>")
+
+
+def test_plain_text_without_a_chat_template(tiny_dir: Path) -> None:
+    tokenizer = load_tokenizer(str(tiny_dir))
+    tokenizer.chat_template = None
+    two = [{"role": "system", "content": "be brief"}, *CHAT]
+    assert prompt_text(tokenizer, two) == "be brief\n12+345="
+    assert prompt_text(tokenizer, "3+4=") == "3+4="
+    ids = encode_prompts(tokenizer, ["3+4="]).input_ids[0].tolist()
+    assert tokenizer.convert_ids_to_tokens(ids) == ["<s>", "3", "+", "4", "="]  # the tokenizer adds bos
+
+
+def test_left_padding_and_prompt_lengths(tiny_dir: Path) -> None:
+    tokenizer = load_tokenizer(str(tiny_dir))
+    prompts = [[{"role": "user", "content": "1+2="}], [{"role": "user", "content": "123+456="}]]
+    enc = encode_prompts(tokenizer, prompts)
+    lengths = prompt_lengths(tokenizer, prompts)
+    assert lengths == [7, 11] and enc.input_ids.shape == (2, 11)
+    assert enc.attention_mask.tolist()[0] == [0] * 4 + [1] * 7
+    assert enc.input_ids[0, :4].tolist() == [tokenizer.pad_token_id] * 4
+    assert bool(enc.attention_mask[:, -1].all())  # every prompt ends in the last column
+    assert enc.input_ids.dtype == enc.attention_mask.dtype == torch.long
+
+
+def test_decode_responses_cuts_at_eos_and_drops_pads(tiny_dir: Path) -> None:
+    tokenizer = load_tokenizer(str(tiny_dir))
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    rows = [ids("#### 357") + [eos, pad], ids("#### 4") + [eos] + ids("999"), ids("#### 12") + [pad] * 3]
+    assert decode_responses(tokenizer, torch.tensor(rows)) == ["#### 357", "#### 4", "#### 12"]
+    assert decode_responses(tokenizer, [ids("12")], stop_ids={ids("2")[0]}) == ["1"]
+
+
+def test_generate_with_the_loaded_pair(tiny_dir: Path) -> None:
+    model, tokenizer = load_model_and_tokenizer(ModelConfig(path=str(tiny_dir)), task="arith")
+    enc = encode_prompts(tokenizer, [CHAT, [{"role": "user", "content": "1+1="}]])
+    out = model.generate(
+        input_ids=enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=4, do_sample=False
+    )
+    texts = decode_responses(tokenizer, out[:, enc.input_ids.shape[1] :])
+    assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
+    assert not model.training
+
+
+def test_dtype_from_config(tiny_dir: Path) -> None:
+    model = load_model(str(tiny_dir), dtype="bfloat16")
+    assert next(model.parameters()).dtype == torch.bfloat16
+
+
+def test_missing_local_path_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(ConfigError, match=f"model.path '{missing}': no such directory"):
+        resolve_model_path(ModelConfig(path=missing), task="arith")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match=r"'someorg/some-model'.*hub is offline"):
+        resolve_model_path(ModelConfig(path="someorg/some-model"), task="arith")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="cannot load a causal LM from"):
+        load_model(str(tmp_path / "empty"))
+
+
+def test_tiny_is_built_once_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path / "cache"))
+    real_build, builds = tiny.build_tiny, []
+
+    def quick_build(out_dir: Path, task: str, seed: int, steps: int | None = None) -> tiny.TinyReport:
+        builds.append(out_dir)
+        return real_build(out_dir, task, seed, steps=2)
+
+    monkeypatch.setattr(tiny, "build_tiny", quick_build)
+    cfg = ModelConfig(path="tiny", tiny_seed=3)
+    first = resolve_model_path(cfg, task="sort")
+    assert Path(first) == tmp_path / "cache" / "models" / f"tiny-sort-s3-v{tiny.BUILDER_VERSION}"
+    mtime = os.stat(Path(first) / tiny.REPORT_FILE).st_mtime_ns
+    assert resolve_model_path(cfg, task="sort") == first
+    assert len(builds) == 1 and os.stat(Path(first) / tiny.REPORT_FILE).st_mtime_ns == mtime
+    assert tiny.read_report(first).task == "sort"
+    leftovers = [p.name for p in (tmp_path / "cache" / "models").iterdir() if ".tmp-" in p.name]
+    assert leftovers == []
+
+
+def test_a_half_built_cache_entry_is_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path))
+    real_build = tiny.build_tiny
+    monkeypatch.setattr(tiny, "build_tiny", lambda out, task, seed: real_build(out, task, seed, steps=1))
+    half = tiny.tiny_cache_path("arith", 0)
+    half.mkdir(parents=True)
+    (half / "config.json").write_text("{")  # no report: never finished
+    path = resolve_model_path(ModelConfig(path="tiny"), task="arith")
+    assert tiny.read_report(path).steps == 1

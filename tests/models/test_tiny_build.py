@@ -1,0 +1,117 @@
+"""The self-built tiny model: reproducible weights, atomic builds, plain Hugging Face loading."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine import tiny
+from engine.errors import ConfigError, RLFlowError
+from engine.tiny import TinyReport, build_tiny, exact_answer_rate, final_answer, read_report, weights_sha256
+from flows.commands import model as model_command
+
+
+def _run_cli(argv: list[str]) -> int:
+    # Only this command group: the test does not depend on the other groups importing cleanly.
+    parser = argparse.ArgumentParser(prog="rlflow")
+    model_command.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+def test_same_seed_same_weights_other_seed_differs(
+    quick_tiny: tuple[Path, TinyReport], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, first = quick_tiny
+    again = tmp_path / "again"
+    argv = ["model", "make-tiny", str(again), "--task", "arith", "--seed", "0", "--steps", str(first.steps)]
+    assert _run_cli(argv) == 0
+    assert first.weights_sha256 in capsys.readouterr().out
+    assert read_report(again).weights_sha256 == first.weights_sha256
+    other = build_tiny(tmp_path / "other", task="arith", seed=1, steps=first.steps)
+    assert other.weights_sha256 != first.weights_sha256
+
+
+def test_report_describes_the_saved_weights(quick_tiny: tuple[Path, TinyReport]) -> None:
+    out, report = quick_tiny
+    on_disk = json.loads((out / tiny.REPORT_FILE).read_text())
+    assert on_disk["task"] == "arith" and on_disk["seed"] == 0 and on_disk["steps"] == report.steps
+    assert on_disk["builder_version"] == tiny.BUILDER_VERSION
+    assert 0.0 <= on_disk["val_exact_answer_rate"] <= 1.0 and on_disk["build_seconds"] > 0
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    assert weights_sha256(reloaded) == report.weights_sha256
+
+
+def test_loads_with_plain_auto_classes_and_generates(tiny_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    assert model.config.model_type == "llama"
+    assert tokenizer.padding_side == "left" and tokenizer.pad_token == tiny.PAD
+    chats = [[{"role": "user", "content": "1+2="}], [{"role": "user", "content": "123+456="}]]
+    texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+    enc = tokenizer(texts, padding=True, add_special_tokens=False, return_tensors="pt")
+    out = model.generate(**enc, max_new_tokens=5, do_sample=False)
+    assert out.shape[0] == 2 and 0 < out.shape[1] - enc["input_ids"].shape[1] <= 5
+
+
+def test_chat_template_and_character_tokens(tiny_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "12+345="}], tokenize=False, add_generation_prompt=True
+    )
+    assert text == "<s><|user|>12+345=<|assistant|>"
+    tokens = tokenizer.convert_ids_to_tokens(tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert tokens == ["<s>", "<|user|>", *"12+345=", "<|assistant|>"]  # one token per character
+    history = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "#### 2"}]
+    assert tokenizer.apply_chat_template(history, tokenize=False) == "<s><|user|>1+1=<|assistant|>#### 2</s>"
+    assert tokenizer.decode(tokenizer("sort 312:\n", add_special_tokens=False)["input_ids"]) == "sort 312:\n"
+
+
+def test_sort_task_builds_and_evaluates(tmp_path: Path) -> None:
+    report = build_tiny(tmp_path / "sort", task="sort", seed=0, steps=2)
+    assert report.task == "sort"
+    rate = exact_answer_rate(tmp_path / "sort", "sort", n=8, seed=0)
+    assert 0.0 <= rate <= 1.0
+
+
+def test_failed_build_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def crash(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("killed mid-build")
+
+    monkeypatch.setattr(tiny, "warm_start", crash)
+    with pytest.raises(RuntimeError, match="mid-build"):
+        build_tiny(tmp_path / "half", steps=1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_refuses_a_full_directory_and_bad_input(tmp_path: Path) -> None:
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    with pytest.raises(RLFlowError, match="not an empty directory"):
+        build_tiny(tmp_path / "full", steps=1)
+    with pytest.raises(ConfigError, match="unknown task 'nope'"):
+        build_tiny(tmp_path / "t", task="nope", steps=1)
+    with pytest.raises(ConfigError, match="steps"):
+        build_tiny(tmp_path / "t", steps=-1)
+
+
+def test_build_restores_torch_state(tmp_path: Path) -> None:
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    build_tiny(tmp_path / "m", steps=1)
+    assert torch.equal(torch.rand(3), expected)  # the build used a private RNG
+    assert torch.get_num_threads() == threads
+    assert torch.are_deterministic_algorithms_enabled() == deterministic
+
+
+def test_final_answer() -> None:
+    assert final_answer("#### 357") == "357"
+    assert final_answer("work... ####  42 trailing") == "42"
+    assert final_answer("357") is None
