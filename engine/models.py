@@ -1,0 +1,281 @@
+"""Causal LMs and their tokenizers: where a model comes from, how it loads, how prompts become tokens.
+
+`model.path` is a local Hugging Face directory, a hub id (only where the machine is online, or already
+in the hub cache when `HF_HUB_OFFLINE` is set), or "tiny": the project's own small model
+(engine/tiny.py), built for the task on first use and cached under `$RLFLOW_CACHE/models/`.
+
+Prompts are chat messages in verl's layout (`[{"role": "user", "content": "12+345="}]`) or plain
+strings. Chat prompts go through the tokenizer's chat template with `add_generation_prompt=True`;
+a tokenizer without one gets the message contents joined by newlines. Batches are left padded, so
+every prompt ends at the same column and generation continues from there.
+
+Shapes: B prompts or responses, P prompt tokens (after padding), T response tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from engine.config import ModelConfig
+from engine.errors import ConfigError, RLFlowError
+
+log = logging.getLogger("rlflow.models")
+
+TINY = "tiny"
+Message = dict[str, str]
+Prompt = str | Sequence[Message]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TRUE = {"1", "ON", "YES", "TRUE"}
+
+
+class ModelLoadError(RLFlowError):
+    """A model or tokenizer could not be found or loaded."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# where the model comes from
+
+
+def cache_dir() -> Path:
+    """`$RLFLOW_CACHE`, default `~/.cache/rlflow`."""
+    return Path(os.environ.get("RLFLOW_CACHE") or Path.home() / ".cache" / "rlflow").expanduser()
+
+
+def hub_offline() -> bool:
+    # Read at call time: huggingface_hub reads these variables once, at import.
+    return any(os.environ.get(k, "").upper() in _TRUE for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def resolve_model_path(model_cfg: ModelConfig, task: str) -> str:
+    """A directory or hub id that `from_pretrained` can load; "tiny" is built (once) for `task`."""
+    if model_cfg.path == TINY:
+        from engine import tiny  # engine.tiny imports this module
+
+        return str(tiny.cached_tiny(task, model_cfg.tiny_seed))
+    return _resolve_pretrained(model_cfg.path, what="model.path", probe="config.json")
+
+
+def resolve_tokenizer_path(model_cfg: ModelConfig, task: str) -> str:
+    """`model.tokenizer_path` when set, else the model's own directory."""
+    if model_cfg.tokenizer_path is None:
+        return resolve_model_path(model_cfg, task)
+    if model_cfg.tokenizer_path == TINY:
+        return resolve_model_path(model_cfg.model_copy(update={"path": TINY}), task)
+    return _resolve_pretrained(
+        model_cfg.tokenizer_path, what="model.tokenizer_path", probe="tokenizer_config.json"
+    )
+
+
+def _resolve_pretrained(path: str, *, what: str, probe: str) -> str:
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return str(local.resolve())  # absolute: Ray workers may run in another directory
+    if local.exists():
+        raise ConfigError(f"{what} {path!r} is a file; expected a Hugging Face model directory")
+    if not _looks_like_hub_id(path):
+        raise ConfigError(f"{what} {path!r}: no such directory")
+    if hub_offline() and not _in_hub_cache(path, probe):
+        raise ConfigError(
+            f"{what} {path!r}: no such local directory, and the hub is offline (HF_HUB_OFFLINE) with no "
+            "cached copy; give a local model directory, or 'tiny'"
+        )
+    return path
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    # "org/name" or "name"; anything with more parts, or a path-like start, is a local path.
+    if path.startswith(("/", ".", "~")) or path.count("/") > 1 or os.sep != "/" and os.sep in path:
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _in_hub_cache(repo_id: str, filename: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo_id, filename)
+    return isinstance(found, str)
+
+
+# ---------------------------------------------------------------------------------------------------
+# loading
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ConfigError(f"model.dtype {name!r}: allowed: {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def load_model(path: str, *, dtype: str = "float32", trust_remote_code: bool = False) -> PreTrainedModel:
+    """A causal LM from a directory or hub id (see `resolve_model_path`), in eval mode."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=torch_dtype(dtype),
+            trust_remote_code=trust_remote_code,
+            local_files_only=hub_offline() or Path(path).expanduser().is_dir(),
+        )
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot load a causal LM from {path!r}: {_first_line(err)}") from err
+    return model.eval()
+
+
+def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """The tokenizer at `path`, left padding, with a pad token (eos when it has none)."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            path,
+            trust_remote_code=trust_remote_code,
+            local_files_only=hub_offline() or Path(path).expanduser().is_dir(),
+        )
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {_first_line(err)}") from err
+    return prepare_tokenizer(tokenizer)
+
+
+def load_model_and_tokenizer(
+    model_cfg: ModelConfig, task: str
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Both halves of `model_cfg`, resolved for `task` (which only matters for "tiny")."""
+    model = load_model(
+        resolve_model_path(model_cfg, task),
+        dtype=model_cfg.dtype,
+        trust_remote_code=model_cfg.trust_remote_code,
+    )
+    tokenizer = load_tokenizer(
+        resolve_tokenizer_path(model_cfg, task), trust_remote_code=model_cfg.trust_remote_code
+    )
+    align_generation_config(model, tokenizer)
+    return model, tokenizer
+
+
+def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """Left padding (prompts end in the same column) and a pad token; changes `tokenizer` in place."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ModelLoadError(
+                f"tokenizer {tokenizer.name_or_path!r} has neither a pad nor an eos token; cannot pad batches"
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+        log.info(
+            "tokenizer %r has no pad token: using eos %r (id %d) as pad",
+            tokenizer.name_or_path,
+            tokenizer.eos_token,
+            tokenizer.eos_token_id,
+        )
+    return tokenizer
+
+
+def align_generation_config(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """`generate` pads with the tokenizer's pad id (silences its 'setting pad_token_id' warning)."""
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+# ---------------------------------------------------------------------------------------------------
+# prompts and responses
+
+
+@dataclass(frozen=True)
+class EncodedPrompts:
+    """Left-padded prompt tokens: `input_ids` (B, P) long, `attention_mask` (B, P) long, 0 on pads."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+
+def prompt_text(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> str:
+    """The text the model sees: the chat template (with the generation prompt) for chat messages."""
+    if isinstance(prompt, str):
+        return prompt
+    messages = [dict(m) for m in prompt]
+    if tokenizer.chat_template:
+        return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    return "\n".join(m["content"] for m in messages)
+
+
+def _token_ids(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt]) -> list[list[int]]:
+    # A chat template writes its own special tokens (bos); the tokenizer adds them only to plain text.
+    ids = []
+    for prompt in prompts:
+        chat = not isinstance(prompt, str) and bool(tokenizer.chat_template)
+        text = prompt_text(tokenizer, prompt)
+        ids.append(tokenizer(text, add_special_tokens=not chat)["input_ids"])
+    return ids
+
+
+def prompt_lengths(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt]) -> list[int]:
+    """Tokens of each prompt as the model sees it (what `data.max_prompt_length` limits)."""
+    return [len(ids) for ids in _token_ids(tokenizer, prompts)]
+
+
+def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt]) -> EncodedPrompts:
+    """Tokens of `prompts`, left padded with the tokenizer's pad id to the longest prompt."""
+    if tokenizer.pad_token_id is None:
+        prepare_tokenizer(tokenizer)
+    ids = _token_ids(tokenizer, prompts)
+    width = max((len(x) for x in ids), default=0)
+    input_ids = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)  # (B, P)
+    attention_mask = torch.zeros((len(ids), width), dtype=torch.long)  # (B, P)
+    for row, seq in enumerate(ids):
+        if seq:
+            input_ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+            attention_mask[row, width - len(seq) :] = 1
+    return EncodedPrompts(input_ids=input_ids, attention_mask=attention_mask)
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None = None) -> set[int]:
+    """Ids that end a response: the tokenizer's eos and the model's generation eos (one id or several)."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    if model is not None:
+        eos: Any = model.generation_config.eos_token_id
+        ids.update(int(i) for i in (eos if isinstance(eos, list) else [] if eos is None else [eos]))
+    return ids
+
+
+def decode_responses(
+    tokenizer: PreTrainedTokenizerBase,
+    response_ids: torch.Tensor | Sequence[Sequence[int]],
+    *,
+    stop_ids: Iterable[int] | None = None,
+) -> list[str]:
+    """Text of each response (B, T): cut at its first stop token (default eos), pad tokens dropped.
+
+    Other special tokens stay in the text, so a reward sees exactly what the policy wrote.
+    """
+    stops = set(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer)
+    pad = tokenizer.pad_token_id
+    rows = response_ids.tolist() if isinstance(response_ids, torch.Tensor) else response_ids
+    texts = []
+    for row in rows:
+        kept = []
+        for tok in row:
+            if tok in stops:
+                break
+            if tok != pad:
+                kept.append(int(tok))
+        texts.append(str(tokenizer.decode(kept, skip_special_tokens=False)))
+    return texts

@@ -1,0 +1,456 @@
+"""The project's own tiny model: a character-level tokenizer and a small Llama, warm-started on a task.
+
+No hub can be reached here, so the default run and the tests use a model the project builds itself:
+
+- tokenizer: one token per printable ASCII character plus pad, bos, eos, unk and the chat role markers,
+  built with `tokenizers` and wrapped as `PreTrainedTokenizerFast` with a chat template;
+- model: `LlamaForCausalLM` (hidden 128, MLP 256, 4 layers, 4 heads, tied embeddings), 0.67 M parameters;
+- warm start: supervised fine-tuning on the synthetic task (loss on response tokens only), stopped
+  early on purpose so that greedy decoding is right sometimes, not always: RL has something to learn.
+
+The same (task, seed, steps) gives the same weights on one machine: every random draw is seeded, the
+data order is fixed, and the build runs with a fixed number of torch threads and deterministic
+algorithms. `weights_sha256` in `rlflow_tiny.json` is the check.
+
+Shapes: B sequences, L tokens (prompt + response, right padded for training).
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import fcntl
+import hashlib
+import json
+import math
+import operator
+import os
+import re
+import shutil
+import string
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import (
+    GenerationConfig,
+    GenerationMixin,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+from engine.errors import ConfigError, RLFlowError
+from engine.models import (
+    cache_dir,
+    decode_responses,
+    encode_prompts,
+    load_model,
+    load_tokenizer,
+    prompt_text,
+)
+from engine.synthetic import TASKS, make_rows, solution_text
+
+# Bump when anything below changes what a build produces: cached builds carry it in their name.
+BUILDER_VERSION = 1
+REPORT_FILE = "rlflow_tiny.json"
+
+# The recipe. Steps per task are tuned so that greedy decoding is right about 10-50 % of the time on
+# the val split (arith seeds 0/1/2: 19.9/11.7/18.8 %; sort: 47.7/25.4/12.5 %). Sort is learned within
+# ~100 steps, so its warm start stops very early.
+DEFAULT_STEPS = {"arith": 800, "sort": 45}
+FALLBACK_STEPS = 800  # a task added later without its own tuning
+BATCH_SIZE = 64
+LR = 3e-3
+WARMUP_STEPS = 20
+BUILD_THREADS = 1  # fixed: CPU reductions may depend on the thread count; 1 is also fastest when shared
+EVAL_ROWS = 256
+EVAL_SEED = 0
+MAX_NEW_TOKENS = 12  # "#### " + up to 6 characters + eos, with room to spare
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+ROLES = ("system", "user", "assistant")
+ROLE_TOKENS = [f"<|{role}|>" for role in ROLES]
+SPECIAL_TOKENS = [PAD, BOS, EOS, UNK, *ROLE_TOKENS]
+# Printable ASCII and newline: every character of the synthetic tasks, and of arithmetic expressions.
+ALPHABET = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+
+# <s><|user|>12+345=<|assistant|>#### 357</s>; an assistant turn in the history ends with eos.
+CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{{- '<|' + message['role'] + '|>' + message['content'] -}}"
+    "{%- if message['role'] == 'assistant' -%}{{- eos_token -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
+)
+
+
+@dataclass(frozen=True)
+class TinyShape:
+    """The model's size: about the benchmark's smallest (W1) shape."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    max_position_embeddings: int = 256
+
+
+SHAPE = TinyShape()
+
+
+@dataclass(frozen=True)
+class TinyReport:
+    """What `rlflow_tiny.json` holds."""
+
+    task: str
+    seed: int
+    steps: int
+    builder_version: int
+    weights_sha256: str
+    val_exact_answer_rate: float
+    val_rows: int
+    build_seconds: float
+    num_parameters: int
+    torch_version: str
+
+
+# ---------------------------------------------------------------------------------------------------
+# tokenizer and model
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """The character-level tokenizer: ids 0-6 are the special tokens, then one id per character."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + ALPHABET)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character
+    core.decoder = decoders.Fuse()  # join characters without spaces
+    core.add_special_tokens(SPECIAL_TOKENS)
+    # Plain text gets bos; chat prompts get it from the template (encoded without special tokens).
+    core.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        additional_special_tokens=ROLE_TOKENS,
+        padding_side="left",
+        model_max_length=SHAPE.max_position_embeddings,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:
+    """A freshly initialised small Llama; the weights depend only on `seed`."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=SHAPE.hidden_size,
+        intermediate_size=SHAPE.intermediate_size,
+        num_hidden_layers=SHAPE.num_hidden_layers,
+        num_attention_heads=SHAPE.num_attention_heads,
+        num_key_value_heads=SHAPE.num_attention_heads,
+        max_position_embeddings=SHAPE.max_position_embeddings,
+        tie_word_embeddings=True,
+        # 10000 is also the default of older transformers, which read `rope_theta`, not this.
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+    )
+    return model
+
+
+def weights_sha256(model: torch.nn.Module) -> str:
+    """sha256 over (name, dtype, shape, bytes) of every state-dict tensor, in sorted key order."""
+    digest = hashlib.sha256()
+    state = model.state_dict()
+    for name in sorted(state):
+        tensor = state[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------
+# supervised warm start
+
+
+def sft_batches(
+    tokenizer: PreTrainedTokenizerFast, task: str, seed: int, steps: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """`steps` batches of (input_ids, attention_mask, labels), each (B, L), right padded.
+
+    Rows come from the task's own "sft" split, so they are neither the RL train nor the val prompts;
+    labels are -100 everywhere but the response and its eos.
+    """
+    rows = make_rows(task, steps * BATCH_SIZE, seed, split="sft")
+    for start in range(0, len(rows), BATCH_SIZE):
+        seqs, labels = [], []
+        for row in rows[start : start + BATCH_SIZE]:
+            prompt = tokenizer(prompt_text(tokenizer, row["prompt"]), add_special_tokens=False)["input_ids"]
+            response = tokenizer(solution_text(row), add_special_tokens=False)["input_ids"]
+            response = [*response, tokenizer.eos_token_id]
+            seqs.append(prompt + response)
+            labels.append([-100] * len(prompt) + response)
+        # Right padding keeps position ids 0..n-1 from the first real token, as in left-padded generate.
+        width = max(len(s) for s in seqs)
+        input_ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)  # (B, L)
+        label_ids = torch.full((len(seqs), width), -100, dtype=torch.long)  # (B, L)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)  # (B, L)
+        for i, (seq, lab) in enumerate(zip(seqs, labels, strict=True)):
+            input_ids[i, : len(seq)] = torch.tensor(seq)
+            label_ids[i, : len(lab)] = torch.tensor(lab)
+            mask[i, : len(seq)] = 1
+        yield input_ids, mask, label_ids
+
+
+def _lr_at(step: int, steps: int) -> float:
+    # Linear warmup, then cosine to 10 % of the peak.
+    if step < WARMUP_STEPS:
+        return LR * (step + 1) / WARMUP_STEPS
+    progress = (step - WARMUP_STEPS) / max(1, steps - WARMUP_STEPS)
+    return LR * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def warm_start(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, task: str, seed: int, steps: int
+) -> None:
+    """`steps` AdamW steps of next-token loss on the task's reference responses."""
+    optim = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, betas=(0.9, 0.98))
+    model.train()
+    for step, (input_ids, mask, labels) in enumerate(sft_batches(tokenizer, task, seed, steps)):
+        for group in optim.param_groups:
+            group["lr"] = _lr_at(step, steps)
+        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    model.eval()
+
+
+@contextlib.contextmanager
+def deterministic_cpu(threads: int) -> Iterator[None]:
+    """Fixed torch threads, deterministic algorithms and a private RNG; all restored afterwards."""
+    old_threads = torch.get_num_threads()
+    old_det = torch.are_deterministic_algorithms_enabled()
+    old_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(old_det, warn_only=old_warn)
+        torch.set_num_threads(old_threads)
+
+
+# ---------------------------------------------------------------------------------------------------
+# evaluation
+
+
+_ANSWER = re.compile(r"####\s*(\S+)")
+
+
+def final_answer(response: str) -> str | None:
+    """The answer after the first `####`, or None."""
+    found = _ANSWER.search(response)
+    return found.group(1) if found else None
+
+
+def is_correct(task: str, response: str, ground_truth: str) -> bool:
+    """The `#### answer` equals the ground truth; for countdown, the expression reaches the target
+    using each given number exactly once (the ground truth is `{"target": .., "numbers": [..]}`)."""
+    answer = final_answer(response)
+    if answer is None:
+        return False
+    if task == "countdown":
+        spec = json.loads(ground_truth)
+        return _reaches(answer, spec["target"], spec["numbers"])
+    return answer == ground_truth
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+def _reaches(expression: str, target: int, numbers: list[int]) -> bool:
+    # Walks the syntax tree of + - * on integer literals: nothing generated is ever executed.
+    used: list[int] = []
+
+    def value(node: ast.AST) -> int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            used.append(node.value)
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.left), value(node.right))
+        raise ValueError("not + - * on integers")
+
+    try:
+        result = value(ast.parse(expression, mode="eval").body)
+    except (SyntaxError, ValueError):
+        return False
+    return result == target and sorted(used) == sorted(numbers)
+
+
+@torch.no_grad()
+def exact_answer_rate(
+    model_dir: str | Path,
+    task: str,
+    n: int = EVAL_ROWS,
+    seed: int = EVAL_SEED,
+    *,
+    batch_size: int = 128,
+    model: PreTrainedModel | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> float:
+    """Share of `n` val rows of `task` whose greedy response is right (`is_correct`).
+
+    Loads the model and tokenizer from `model_dir` unless they are given (the build passes its own).
+    """
+    tokenizer = tokenizer or load_tokenizer(str(model_dir))
+    model = model or load_model(str(model_dir))
+    assert isinstance(model, GenerationMixin), f"{type(model).__name__} cannot generate"
+    rows = make_rows(task, n, seed, split="val")
+    correct = 0
+    for start in range(0, n, batch_size):
+        chunk = rows[start : start + batch_size]
+        enc = encode_prompts(tokenizer, [row["prompt"] for row in chunk])
+        out = model.generate(
+            input_ids=enc.input_ids,
+            attention_mask=enc.attention_mask,
+            max_new_tokens=MAX_NEW_TOKENS,
+            do_sample=False,
+            use_cache=True,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        responses = decode_responses(tokenizer, out[:, enc.input_ids.shape[1] :])  # (B, T) -> B texts
+        for row, response in zip(chunk, responses, strict=True):
+            correct += is_correct(task, response, row["reward_model"]["ground_truth"])
+    return correct / n if n else 0.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# building
+
+
+def default_steps(task: str) -> int:
+    return DEFAULT_STEPS.get(task, FALLBACK_STEPS)
+
+
+def build_tiny(
+    out_dir: str | Path, task: str = "arith", seed: int = 0, steps: int | None = None
+) -> TinyReport:
+    """Build the tiny model for `task` into `out_dir` (which must not exist or be empty).
+
+    Written into a temporary sibling directory and renamed into place at the end: `out_dir` either
+    holds a complete model, with `rlflow_tiny.json` written last, or nothing.
+    """
+    if task not in TASKS:
+        raise ConfigError(f"unknown task {task!r}; allowed: {', '.join(TASKS)}")
+    steps = default_steps(task) if steps is None else steps
+    if steps < 0:
+        raise ConfigError(f"steps must be >= 0, got {steps}")
+    out = Path(out_dir).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise RLFlowError(f"{out} already exists and is not an empty directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        report = _build_into(tmp, task, seed, steps)
+        _readable(tmp)
+        os.rename(tmp, out)  # atomic; replaces an empty directory, fails on a full one
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return report
+
+
+def _build_into(directory: Path, task: str, seed: int, steps: int) -> TinyReport:
+    started = time.perf_counter()
+    with deterministic_cpu(BUILD_THREADS):
+        tokenizer = build_tokenizer()
+        model = build_model(tokenizer, seed)
+        warm_start(model, tokenizer, task, seed, steps)
+        digest = weights_sha256(model)
+        rate = exact_answer_rate(directory, task, model=model, tokenizer=tokenizer)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    _portable_tokenizer_class(directory)
+    report = TinyReport(
+        task=task,
+        seed=seed,
+        steps=steps,
+        builder_version=BUILDER_VERSION,
+        weights_sha256=digest,
+        val_exact_answer_rate=rate,
+        val_rows=EVAL_ROWS,
+        build_seconds=round(time.perf_counter() - started, 2),
+        num_parameters=sum(p.numel() for p in model.parameters()),
+        torch_version=torch.__version__,
+    )
+    (directory / REPORT_FILE).write_text(json.dumps(asdict(report), indent=2) + "\n")
+    return report
+
+
+def _readable(directory: Path) -> None:
+    # mkdtemp makes the directory private (0700); a shared model cache should not be.
+    directory.chmod(0o755)
+    for path in directory.iterdir():
+        path.chmod(0o644)
+
+
+def _portable_tokenizer_class(directory: Path) -> None:
+    # transformers 5 writes its own class name (TokenizersBackend); "PreTrainedTokenizerFast" loads in
+    # transformers 5 and in the 4.x a vLLM install may bring.
+    path = directory / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def read_report(model_dir: str | Path) -> TinyReport:
+    return TinyReport(**json.loads((Path(model_dir) / REPORT_FILE).read_text()))
+
+
+def tiny_cache_path(task: str, seed: int) -> Path:
+    return cache_dir() / "models" / f"tiny-{task}-s{seed}-v{BUILDER_VERSION}"
+
+
+def cached_tiny(task: str, seed: int) -> Path:
+    """The cached tiny model for (task, seed), built on first use.
+
+    A lock file keeps concurrent builders from doing the work twice; the rename in `build_tiny` keeps
+    a crashed build from ever looking complete. A directory without its report is left-over junk.
+    """
+    path = tiny_cache_path(task, seed)
+    if (path / REPORT_FILE).is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if (path / REPORT_FILE).is_file():  # another process built it while we waited
+            return path
+        if path.exists():
+            shutil.rmtree(path)
+        build_tiny(path, task, seed)
+    return path
