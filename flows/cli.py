@@ -12,6 +12,7 @@ from infra.errors import InfraError
 # Command groups in the order `rlflow --help` lists them.
 COMMAND_MODULES = (
     "flows.commands.train",
+    "flows.commands.deploy",
     "flows.commands.stack",
     "flows.commands.config",
     "flows.commands.model",

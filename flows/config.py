@@ -48,6 +48,7 @@ class TrainerConfig(BaseModel):
     seed: int = Field(0, ge=0)
     export_at_end: bool = True
     keep_engine: bool = Field(False, description="leave the engine actors running after the run")
+    max_engine_restarts: int = Field(2, ge=0, description="times a run restarts a failed engine and goes on")
     stage_timeout_s: float = Field(1800.0, gt=0, description="a stage running longer fails")
     loggers: list[LoggerName] = Field(
         default_factory=list,

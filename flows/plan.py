@@ -6,22 +6,29 @@ Everything that can be wrong with the input (config, data files, rows, prompt le
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.data import load_train_val
+from engine.config import RewardConfig
+from engine.data import PromptDataset, load_train_val
 from engine.engine import EngineSpec
-from engine.errors import ConfigError
+from engine.errors import ConfigError, RewardError
 from engine.models import cache_dir, load_tokenizer, prompt_lengths, resolve_model_path, resolve_tokenizer_path
 from engine.workers.critic import CriticSpec
 from engine.workers.group import check_run_id
 from engine.workers.policy import PolicySpec
-from flows.config import RLConfig, build_config
+from flows.algorithms import stages_for
+from flows.config import RLConfig, build_config, load_config
+from infra.config import StorageConfig
+from infra.errors import StoreUnavailable
 from infra.runs import Lease, RunStore
 from infra.store import ObjectStore
 from tasks.context import RunPlan
@@ -39,6 +46,26 @@ class OpenRun:
     resumed: bool
 
 
+# How many train rows the reward preflight scores, each with an empty response and its ground truth.
+REWARD_PREFLIGHT_ROWS = 4
+# A start-up probe of storage gives up sooner than the retries meant to ride out blips mid-run.
+_PROBE_ATTEMPTS = 3
+_PROBE_CONNECT_TIMEOUT_S = 5.0
+
+
+@dataclass
+class CheckedInputs:
+    """What `check_inputs` found; nothing of it has been written anywhere."""
+
+    store: ObjectStore
+    runs: RunStore
+    model_path: str
+    tokenizer_path: str
+    train: PromptDataset
+    val: PromptDataset | None
+    engine: EngineSpec
+
+
 def new_run_id(cfg: RLConfig) -> str:
     return cfg.trainer.run_id or f"{cfg.trainer.project}-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -52,7 +79,7 @@ def resume_config(store: ObjectStore, run_id: str, cfg: RLConfig | None, overrid
     if cfg is None:
         from flows.config import _parse_override, _set_dotted
 
-        raw = dict(saved)
+        raw = json.loads(json.dumps(saved))  # a deep copy: the overrides must not edit `saved` itself
         for item in overrides:
             key, value = _parse_override(item)
             _set_dotted(raw, key, value)
@@ -66,14 +93,35 @@ def resume_config(store: ObjectStore, run_id: str, cfg: RLConfig | None, overrid
     return cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"run_id": run_id})})
 
 
-def open_run(cfg: RLConfig, run_id: str, *, resume: bool) -> OpenRun:
-    """Check the inputs, then take the run's lease and write run.json (a new run) — in that order."""
+def resolve_config(config_path: str | None, overrides: list[str], resume: str | None) -> tuple[RLConfig, str]:
+    """The config and run id of `rlflow train`: a new run's from CONFIG and the overrides; a resumed
+    run's from its run.json plus the overrides (or from CONFIG when one is given), its model unchanged."""
+    if resume is None:
+        cfg = load_config(config_path, overrides)
+        return cfg, new_run_id(cfg)
+    base = load_config(config_path, overrides) if config_path else None
+    probe = base or load_config(None, [o for o in overrides if o.startswith("storage.")])
+    store = probe_store(probe.storage)
+    with _reachable(store):
+        return resume_config(store, resume, base, overrides), resume
+
+
+def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
+    """Every check of the run's inputs, writing nothing: storage reachable with these credentials, the
+    run id free (new run), model and tokenizer, data rows and prompt lengths, batch size, the engine
+    and stage list, and the reward on a few real rows. `rlflow train` calls it before the stack starts;
+    `open_run` calls it again (a deployment's run comes without the CLI)."""
     check_run_id(run_id)
+    probe = probe_store(cfg.storage)
+    with _reachable(probe):
+        exists = RunStore(probe, run_id).exists()
     store = ObjectStore.from_config(cfg.storage)
     runs = RunStore(store, run_id)
-    if not resume and runs.exists():
+    if not resume and exists:
         raise ConfigError(f"run {run_id!r} already exists under {store.url()}: resume it with "
                           f"--resume {run_id}, or choose another trainer.run_id")
+    if resume and not exists:
+        raise ConfigError(f"--resume {run_id}: no run {run_id!r} under {store.url()}")
     model_path = resolve_model_path(cfg.model, cfg.data.task)
     tokenizer_path = resolve_tokenizer_path(cfg.model, cfg.data.task)
     tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=cfg.model.trust_remote_code)
@@ -82,26 +130,71 @@ def open_run(cfg: RLConfig, run_id: str, *, resume: bool) -> OpenRun:
     if len(train) < cfg.data.train_batch_size:
         raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} is larger than the training set "
                           f"({len(train)} prompts after filtering): lower it or add data")
+    engine = engine_spec(cfg, run_id, model_path, tokenizer_path)
+    stages_for(cfg)  # refuses a stage that reads a column nobody writes
+    check_reward(train, cfg.reward)
+    return CheckedInputs(store, runs, model_path, tokenizer_path, train, val, engine)
+
+
+def check_reward(train: PromptDataset, reward: RewardConfig, n: int = REWARD_PREFLIGHT_ROWS) -> None:
+    """Score the first `n` train rows with an empty response and with their own ground truth: a reward
+    that raises or returns NaN or a non-number fails here, naming data_source, row and value, before
+    anything is written — not minutes later in the first reward stage."""
+    from engine.rewards import score_batch  # the reward registry: imported only when checking
+
+    rows = train.rows[:n]
+    where = f"{rows[0].origin}..{rows[-1].origin}" if len(rows) > 1 else rows[0].origin
+    truths = [r.ground_truth if isinstance(r.ground_truth, str) else json.dumps(r.ground_truth) for r in rows]
+    for label, responses in (("an empty response", [""] * len(rows)), ("the ground truth as response", truths)):
+        try:
+            score_batch([r.data_source for r in rows], responses, [r.ground_truth for r in rows],
+                        [r.extra_info for r in rows], cfg=reward)
+        except RewardError as err:
+            raise RewardError(f"reward check before the run, {label} on train rows {where}: {err}") from err
+
+
+def probe_store(storage: StorageConfig) -> ObjectStore:
+    """The store with few, short tries: a start-up check of an unreachable endpoint fails in seconds."""
+    return ObjectStore.from_config(storage.model_copy(update={
+        "retry_attempts": min(storage.retry_attempts, _PROBE_ATTEMPTS),
+        "connect_timeout_s": min(storage.connect_timeout_s, _PROBE_CONNECT_TIMEOUT_S)}))
+
+
+@contextmanager
+def _reachable(store: ObjectStore) -> Iterator[None]:
+    """Name the setting to check when storage cannot be reached at all."""
+    try:
+        yield
+    except StoreUnavailable as err:
+        where = f" at {store.endpoint_url}" if store.endpoint_url else ""
+        raise StoreUnavailable(f"storage.root={store.root} is unreachable{where} ({err}); check "
+                               "storage.endpoint_url (or AWS_ENDPOINT_URL) and that the server is up") from err
+
+
+def open_run(cfg: RLConfig, run_id: str, *, resume: bool, parent: dict[str, Any] | None = None) -> OpenRun:
+    """Check the inputs, then take the run's lease and write run.json (a new run) — in that order."""
+    inputs = check_inputs(cfg, run_id, resume=resume)
+    runs, train, val = inputs.runs, inputs.train, inputs.val
     lease = runs.acquire_lease(cfg.storage.lease_ttl_s)
     lease.start_renewing()
     try:
         if not resume:
-            runs.write_run_info(cfg.public_dict(), code_version=code_version(), parent=None,
+            runs.write_run_info(cfg.public_dict(), code_version=code_version(), parent=parent,
                                 config_hash=cfg.config_hash())
         created = str(runs.read_run_info()["created"])
     except BaseException:
         lease.release()
         raise
     plan = RunPlan(
-        run_id=run_id, created=created, config_hash=cfg.config_hash(), model_path=model_path,
-        tokenizer_path=tokenizer_path, train_files=list(train.sources),
+        run_id=run_id, created=created, config_hash=cfg.config_hash(), model_path=inputs.model_path,
+        tokenizer_path=inputs.tokenizer_path, train_files=list(train.sources),
         val_files=list(val.sources) if val is not None else [],
-        engine=engine_spec(cfg, run_id, model_path, tokenizer_path), data=cfg.data, rollout=cfg.rollout,
+        engine=inputs.engine, data=cfg.data, rollout=cfg.rollout,
         algorithm=cfg.algorithm, reward=cfg.reward,
         storage=cfg.storage.model_copy(update={"access_key_id": None, "secret_access_key": None}),
         debug=cfg.debug,
     )
-    return OpenRun(plan, cfg, store, runs, lease, resume)
+    return OpenRun(plan, cfg, inputs.store, runs, lease, resume)
 
 
 def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str) -> EngineSpec:

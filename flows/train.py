@@ -29,7 +29,7 @@ from prefect_ray.context import remote_options
 from engine.advantage import make_kl_controller
 from engine.algos import get_adv_estimator
 from engine.engine import Engine
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, VersionMismatchError
 from flows import progress, report
 from flows.algorithms import stages_for
 from flows.config import RLConfig, load_config
@@ -131,12 +131,13 @@ class Trainer:
 
 @flow(name="rlflow-train", flow_run_name="{run_name}", persist_result=True, task_runner=RayTaskRunner())
 def train(config_path: str | None = None, overrides: list[str] | None = None, resume: str | None = None,
-          run_name: str = "train") -> dict[str, Any]:
-    """Train (or resume) one run; returns a summary. Parameters are JSON-able and hold no credentials."""
+          run_name: str = "train", parent: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train (or resume) one run; returns a summary. Parameters are JSON-able and hold no credentials.
+    `parent`: the lineage a new run records in run.json (the run and checkpoint it starts from)."""
     logger = get_run_logger()
     cfg, run_id = _resolve(config_path, list(overrides or []), resume)
     require_packages(cfg.trainer.loggers)  # a missing logger package fails before anything starts
-    run = open_run(cfg, run_id, resume=resume is not None)
+    run = open_run(cfg, run_id, resume=resume is not None, parent=parent)
     log_dir = run_log_dir(cfg.trainer.log_dir, storage_root=cfg.storage.root, run_id=run_id)
     loggers = MetricLoggers.create(cfg.trainer.loggers, run_id=run_id, log_dir=str(log_dir), config=cfg.public_dict())
     trainer = Trainer(run, make_kl_controller(cfg.algorithm), loggers)
@@ -150,7 +151,7 @@ def train(config_path: str | None = None, overrides: list[str] | None = None, re
         progress = report.Progress(run_id, first, last)
         with _graceful_stop(trainer):
             for iteration in range(first, last + 1):
-                run_iteration(trainer, iteration)
+                engine = run_with_restarts(trainer, engine, iteration)
                 progress.update(iteration)
                 if trainer.stop_requested:
                     logger.warning("stop requested: committing iteration %d and stopping", iteration)
@@ -169,6 +170,24 @@ def train(config_path: str | None = None, overrides: list[str] | None = None, re
     finally:
         loggers.close()
         run.lease.release()
+
+
+def run_with_restarts(trainer: Trainer, engine: Engine, iteration: int) -> Engine:
+    """Run iteration k; when an engine rank died (or the engine is at the wrong version), restart it,
+    restore and replay per the recovery contract, and run k again: its finished stages are reused."""
+    restarts = trainer.cfg.trainer.max_engine_restarts
+    for attempt in range(restarts + 1):
+        try:
+            run_iteration(trainer, iteration)
+            return engine
+        except (EngineDeadError, VersionMismatchError) as err:
+            if attempt == restarts:
+                raise
+            get_run_logger().warning("iteration %d: the engine failed (%s); restart %d of %d",
+                                     iteration, str(err).splitlines()[0], attempt + 1, restarts)
+            engine.stop()
+            engine, _ = reconcile(trainer)
+    return engine
 
 
 def run_iteration(trainer: Trainer, iteration: int) -> dict[str, float]:

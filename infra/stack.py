@@ -575,6 +575,9 @@ def _port_taken(port: int) -> bool:
     if _port_open(port):
         return True
     with socket.socket() as sock:
+        # SO_REUSEADDR as the servers use it: connections left in TIME_WAIT (a server just restarted
+        # on this port) do not count as taken, a listener does.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("0.0.0.0", port))
         except OSError:

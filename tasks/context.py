@@ -84,15 +84,9 @@ class StageContext:
         return self._cache[split]  # type: ignore[no-any-return]
 
     def engine(self) -> Engine:
-        """The run's live engine, attached by name (re-attached when a rank was replaced)."""
-        engine = self._cache.get("engine")
-        if engine is None:
-            engine = Engine.attach(self.plan.engine)
-            self._cache["engine"] = engine
-        return engine  # type: ignore[no-any-return]
-
-    def forget_engine(self) -> None:
-        self._cache.pop("engine", None)
+        """The run's live engine, attached by name on every call (a few ms): after a restart the
+        actors are new, and a handle kept from before would point at dead ones."""
+        return Engine.attach(self.plan.engine)
 
     def sampler_at(self, steps: int) -> PromptSampler:
         data = self.plan.data

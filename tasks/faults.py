@@ -6,7 +6,7 @@ resumed flow run (a new process) sees how many times the stage has failed before
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,7 +21,10 @@ class FaultConfig(BaseModel):
     fail_times: int = Field(1, ge=1, description="how many attempts of that stage fail")
     fail_iteration: int | None = Field(None, ge=1, description="only this iteration (default: every one)")
     kill_flow_after: str | None = Field(None, description="SIGKILL the flow process once this stage is done")
-    kill_iteration: int = Field(1, ge=1, description="the iteration of kill_flow_after")
+    kill_iteration: int = Field(1, ge=1, description="the iteration of the kill_* faults")
+    kill_rank_mid_update: int | None = Field(None, ge=0, description="this policy rank dies mid-update")
+    kill_during_checkpoint: bool = Field(False, description="the saving process dies after the shards "
+                                         "are written, before the commit")
 
 
 class InjectedFault(RuntimeError):
@@ -48,5 +51,31 @@ def maybe_kill_flow(ctx: StageContext, stage: str, iteration: int) -> None:
     cfg = ctx.plan.debug
     if cfg.kill_flow_after != stage or cfg.kill_iteration != iteration:
         return
-    if ctx.store.put_if_absent(ctx.runs.key("debug", f"killed_after_{stage}_{iteration:06d}"), b"1"):
+    if _once(ctx, f"killed_after_{stage}", iteration):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _once(ctx: StageContext, what: str, iteration: int) -> bool:
+    """True the first time only, across processes and flow runs (a marker object in the run)."""
+    return bool(ctx.store.put_if_absent(ctx.runs.key("debug", f"{what}_{iteration:06d}"), b"1"))
+
+
+def maybe_kill_rank(ctx: StageContext, engine: Any, role: str, iteration: int) -> None:
+    """Arm one policy rank to exit in the middle of this iteration's update (after its first backward)."""
+    rank = ctx.plan.debug.kill_rank_mid_update
+    if role != "policy" or rank is None or ctx.plan.debug.kill_iteration != iteration:
+        return
+    if _once(ctx, f"killed_rank_{rank}", iteration):
+        engine.policy.call("debug_fault", "exit_mid_update", rank)
+
+
+def maybe_kill_uploader(ctx: StageContext, iteration: int) -> None:
+    """SIGKILL the process saving this checkpoint, once, after the shards are written and before the
+    commit: a crash in the middle of a checkpoint upload."""
+    import os
+    import signal
+
+    if not ctx.plan.debug.kill_during_checkpoint or ctx.plan.debug.kill_iteration != iteration:
+        return
+    if _once(ctx, "killed_checkpoint", iteration):
         os.kill(os.getpid(), signal.SIGKILL)

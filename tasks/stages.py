@@ -24,16 +24,19 @@ from pydantic import BaseModel
 from engine.advantage import compute_advantages as advantage_math
 from engine.advantage import data_metrics
 from engine.batch import Batch
-from engine.errors import VersionMismatchError
+from engine.errors import EngineDeadError, VersionMismatchError
 from engine.models import decode_responses
 from engine.rewards import score_batch
 from infra.buffers import BufferRef, load_ref, read_buffer, write_buffer
 from infra.errors import ObjectNotFound
 from tasks.context import RunPlan, StageContext, context
-from tasks.faults import maybe_fail
+from tasks.faults import maybe_fail, maybe_kill_rank, maybe_kill_uploader
 
 RETRIES = 2
 RETRY_DELAYS = [2, 10]  # seconds: a transient storage or Ray hiccup, then a longer pause
+# A stage that hangs becomes a failure. Generous: the engine's own per-call timeout
+# (trainer.stage_timeout_s) is what bounds a single engine call.
+STAGE_TIMEOUT_S = 4 * 3600
 
 
 class StageResult(BaseModel):
@@ -51,11 +54,24 @@ def stage_cache_key(ctx: TaskRunContext, params: dict[str, Any]) -> str:
     return f"{plan.run_id}-{plan.created}-{params['iteration']}-{ctx.task.name}-{plan.config_hash[:16]}"
 
 
+def retry_unless_engine_gone(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry a failed stage, except when the engine is gone or at the wrong version: only the train
+    flow can restart and restore it, so the failure goes up at once."""
+    try:
+        state.result()
+    except (EngineDeadError, VersionMismatchError):
+        return False
+    except BaseException:  # noqa: BLE001 - any other failure may be transient
+        return True
+    return True
+
+
 def stage(name: str, cache: bool = True) -> Any:
     """The decorator every stage shares: retries with backoff, a timeout, persisted cached results."""
     def wrap(fn: Any) -> Any:
         options: dict[str, Any] = {"name": name, "retries": RETRIES, "retry_delay_seconds": RETRY_DELAYS,
-                                   "persist_result": True}
+                                   "retry_condition_fn": retry_unless_engine_gone, "persist_result": True,
+                                   "timeout_seconds": STAGE_TIMEOUT_S}
         if cache:
             options["cache_key_fn"] = stage_cache_key
         else:
@@ -247,6 +263,7 @@ def _update(ctx: StageContext, iteration: int, role: str, advantage: BufferRef) 
             f"the {role} of run {ctx.plan.run_id!r} is at version {version}; iteration {iteration} needs "
             f"{iteration - 1} (the train flow reconciles this on its next run)")
     batch = read_buffer(ctx.store, advantage)
+    maybe_kill_rank(ctx, engine, role, iteration)
     start = time.perf_counter()
     if role == "critic":
         metrics = engine.update_critic(batch, iteration=iteration, expected_version=iteration - 1)
@@ -290,6 +307,7 @@ def save_checkpoint(plan: RunPlan, iteration: int, trainer_state: dict[str, Any]
     start = time.perf_counter()
     staging = ckpts.begin(iteration)
     ctx.engine().save(staging, ctx.store.storage_options())
+    maybe_kill_uploader(ctx, iteration)
     ckpts.write_trainer_state(iteration, trainer_state)
     ckpts.commit(iteration)  # MANIFEST, then LATEST, then retention
     seconds = time.perf_counter() - start

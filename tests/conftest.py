@@ -102,3 +102,30 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny") / "model"
     build_tiny(out, task="arith", seed=0, steps=30)
     return out
+
+
+@pytest.fixture(scope="session")
+def stack_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A real local stack (Prefect server + Ray head) in its own state folder, shared by the session."""
+    from infra.config import StackConfig
+    from infra.stack import LocalStack
+    from tests.services import quiet_port
+
+    home = tmp_path_factory.mktemp("stack")
+    stack = LocalStack(StackConfig(home=str(home), prefect_port=quiet_port(), ray_port=quiet_port()))
+    stack.up()
+    try:
+        yield home
+    finally:
+        stack.down()
+
+
+@pytest.fixture(scope="session")
+def cli(stack_home: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """Runs `rlflow ...` in a subprocess against the session's stack (see tests/services.Cli)."""
+    from tests.services import Cli
+
+    env = {**os.environ, "RLFLOW_HOME": str(stack_home),
+           "RLFLOW_CACHE": str(tmp_path_factory.mktemp("cache")), "PYTHONPATH": str(REPO)}
+    env.pop("RAY_AUTH_MODE", None)  # the stack's own mode (token) comes from its state folder
+    return Cli(env)

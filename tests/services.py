@@ -21,6 +21,43 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def quiet_port() -> int:
+    """A free port below the ephemeral range, so no outgoing connection takes it while a slow server
+    (Prefect boots in ~10-30 s) is still starting on it."""
+    import random
+
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Cli:
+    """`rlflow ...` as a user runs it, in a subprocess, against the test stack."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+
+    def __call__(self, *args: str, timeout: float = 600, env: dict[str, str] | None = None
+                 ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env={**self.env, **(env or {})},
+                              capture_output=True, text=True, timeout=timeout, check=False)
+
+    def popen(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO,
+                                env={**self.env, **(env or {})}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+
 def _ray_bin() -> str:
     return str(Path(sys.executable).with_name("ray"))
 

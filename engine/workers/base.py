@@ -27,6 +27,7 @@ class RankWorker:
         self.config_hash = config_hash
         self.version = 0
         self.started = time.time()
+        self.exit_mid_update = False  # a test fault (debug_fault)
         torch.set_num_threads(max(1, num_threads))
 
     # -- rendezvous ---------------------------------------------------------------------------------
@@ -82,7 +83,10 @@ class RankWorker:
             return "woke"
         if kind == "exit":
             os._exit(1)
-        raise ValueError(f"unknown fault kind {kind!r}; allowed: raise, hang, exit")
+        if kind == "exit_mid_update":  # armed: the next update exits after its first backward
+            self.exit_mid_update = True
+            return "armed"
+        raise ValueError(f"unknown fault kind {kind!r}; allowed: raise, hang, exit, exit_mid_update")
 
 
 def _node_ip() -> str:

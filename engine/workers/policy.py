@@ -13,6 +13,7 @@ and `ref_logp` [B, T] when the KL loss is on.
 from __future__ import annotations
 
 import copy
+import os
 import time
 from typing import Any
 
@@ -148,6 +149,8 @@ class PolicyWorker(RankWorker):
         for micro, weight in zip(micros, fsdp.micro_weights(micros, cfg.loss_agg_mode)):
             loss, micro_stats = self._micro_loss(micro)
             (loss * weight).backward()  # gradient accumulation, weighted to the global mini-batch
+            if self.exit_mid_update:  # a test fault: die with half an update done
+                os._exit(1)
             for key, value in micro_stats.items():
                 stats[key] = stats.get(key, 0.0) + value * weight
         grad_norm = fsdp.clip_grad_norm(self.actor, cfg.grad_clip)

@@ -35,7 +35,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
     print(
         f"built {args.out_dir}: {report.num_parameters:,} parameters, task {report.task}, seed {report.seed}"
     )
-    print(f"  warm start: {report.steps} steps in {report.build_seconds:.1f} s")
+    print(f"  built in {report.build_seconds:.1f} s ({report.steps} warm-start steps)")
     print(f"  val exact answers: {report.val_exact_answer_rate:.1%} of {report.val_rows} (greedy)")
     print(f"  weights_sha256: {report.weights_sha256}")
     return 0

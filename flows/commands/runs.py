@@ -76,15 +76,21 @@ def _show(args: argparse.Namespace) -> int:
         from infra.errors import StoreError
 
         raise StoreError(f"no run {args.run_id!r} under {store.root}")
-    _print_summary(Console(), summary)
+    _print_summary(Console(), summary, run.read_run_info() if run.exists() else {})
     return 0
 
 
-def _print_summary(console: Console, s: RunSummary) -> None:
+def _print_summary(console: Console, s: RunSummary, info: dict | None = None) -> None:
     head = Table.grid(padding=(0, 2))
     head.add_row("run", s.run_id)
     head.add_row("where", s.url)
     head.add_row("created", _opt(s.created))
+    if info:  # run.json: the lineage
+        parent = info.get("parent")
+        head.add_row("parent", f"{parent['run_id']} step {parent['step']} ({parent['checkpoint']})"
+                     if parent else "- (a new run)")
+        head.add_row("config hash", _opt(info.get("config_hash")))
+        head.add_row("code version", _opt(info.get("code_version")))
     head.add_row("iterations done", f"{s.iterations_done} (last: {_opt(s.last_iteration)})")
     head.add_row("latest checkpoint", _opt(s.latest_checkpoint))
     head.add_row("committed checkpoints", ", ".join(map(str, s.checkpoints)) or "-")

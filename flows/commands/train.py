@@ -51,6 +51,11 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"trainer.run_id={new_run_id(cfg)}")
         cfg = load_config(path, overrides)
     run_id = args.resume or cfg.trainer.run_id
+    # Every input is checked before the stack starts or anything is written (the flow checks again).
+    from flows.plan import check_inputs, resolve_config
+
+    run_cfg, run_id = resolve_config(path, overrides, args.resume)
+    check_inputs(run_cfg, run_id, resume=args.resume is not None)
     result = run_train(cfg, config_path=path, overrides=overrides, resume=args.resume, run_id=str(run_id))
     print(f"rlflow: run {result['run_id']} finished iteration {result['finished_iteration']}; "
           f"storage {result['storage']}" + (f"; export {result['export']}" if result.get("export") else ""))

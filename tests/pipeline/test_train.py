@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.pipeline.conftest import Cli
+from tests.services import Cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REWARD = f"reward.function={Path(__file__).with_name('rewards.py')}:digit_share"

@@ -1,0 +1,326 @@
+"""Recurring runs: the train flow as a Prefect deployment, served by `rlflow serve`.
+
+    rlflow deploy configs/tiny_grpo.yaml trainer.iterations_per_run=5 --cron "0 2 * * *" --name nightly
+    rlflow serve                 # long-running: executes the scheduled, manual and retried runs
+
+One deployment is one lineage. Its flow runs never overlap: the deployment's concurrency limit is 1, and
+a run that comes due while another runs waits for it (`--collision enqueue`, the default) or is
+cancelled (`cancel-new`). Each flow run of `scheduled_train`:
+
+- mode `continue`: the lineage is one run id, the deployment's name. The first flow run creates the run;
+  every later one resumes it (latest committed checkpoint, or the live engine) for
+  `trainer.iterations_per_run` more iterations on the sampler's next prompts.
+- mode `fresh`: a new run id per flow run, `<name>-<date>-<flow run id>`, starting from the weights of
+  the base checkpoint (`--base-checkpoint RUN[:STEP]` or the step folder's URL) when one is given.
+
+run.json records the lineage: `parent` (run id, step, checkpoint URL, the model folder made from it),
+`config_hash` and `code_version`; `rlflow runs show` prints them.
+
+Served rather than a work pool and worker: the runs execute as subprocesses of `rlflow serve`, from the
+installed code and with that process's environment. The stack's address and the storage credentials
+come from there, never through the deployment (no parameters, no job variables), and there is no pool,
+worker or code storage (`flow.from_source`) to run beside it. Retry works the same either way: the
+UI's Retry button puts the flow run in `AwaitingRetry`, a scheduled state that whatever polls the
+deployment picks up. Scale-out keeps this flow and adds `to_deployment(work_pool_name=...)`.
+
+`scheduled_train` calls `train` as a subflow rather than being deployed itself: create-or-resume is
+decided from storage when the run starts, and when a failed run is retried Prefect gives the failed
+`train` subflow a new flow run (prefect.flow_engine `load_subflow_run`), whose calls start afresh.
+Retrying a `train` flow run in place would pair its `rl_iteration` calls with the failed attempt's by
+call order (Prefect's dynamic keys) while it starts at a later iteration. In the new `train` run every
+stage whose result exists comes back `Cached` (tasks/stages.py cache keys), and the engine goes on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+from uuid import UUID
+
+from prefect import flow, get_run_logger
+from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+from prefect.context import FlowRunContext
+from prefect.types.entrypoint import EntrypointType
+
+from engine.errors import ConfigError
+from flows.config import RLConfig, build_config, load_config
+from flows.train import connect_ray, train
+from infra.checkpoints import CheckpointStore
+from infra.runs import RunStore
+from infra.store import ObjectStore
+
+FLOW_NAME = "rlflow-scheduled"
+Mode = Literal["continue", "fresh"]
+Collision = Literal["enqueue", "cancel-new"]
+_STRATEGY = {"enqueue": ConcurrencyLimitStrategy.ENQUEUE, "cancel-new": ConcurrencyLimitStrategy.CANCEL_NEW}
+# Overrides that carry credentials: never deployment parameters (the serving process's AWS_* give them).
+SECRET_KEYS = ("storage.access_key_id", "storage.secret_access_key")
+
+
+@dataclass(frozen=True)
+class DeploySpec:
+    """What `rlflow deploy` was asked for."""
+
+    name: str
+    config_path: str | None
+    overrides: list[str]
+    mode: Mode = "continue"
+    base_checkpoint: str | None = None
+    cron: str | None = None
+    interval_s: float | None = None
+    timezone: str | None = None
+    collision: Collision = "enqueue"
+
+    def parameters(self) -> dict[str, Any]:
+        return {"config_path": self.config_path, "overrides": self.overrides, "mode": self.mode,
+                "lineage": self.name, "base_checkpoint": self.base_checkpoint}
+
+
+@dataclass(frozen=True)
+class BaseCheckpoint:
+    """A committed checkpoint a new run starts from."""
+
+    run_id: str
+    step: int
+    url: str
+
+
+# -- the flow a deployment runs ----------------------------------------------------------------------
+
+def _flow_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    when = flow_run.scheduled_start_time
+    return f"{flow_run.parameters.get('lineage', 'rlflow')}-{when:%Y%m%d-%H%M%S}"
+
+
+@flow(name=FLOW_NAME, flow_run_name=_flow_run_name)
+def scheduled_train(config_path: str | None = None, overrides: list[str] | None = None, mode: Mode = "continue",
+                    lineage: str = "rlflow", base_checkpoint: str | None = None) -> dict[str, Any]:
+    """One scheduled run of a lineage: continue its run, or start a new run from the base checkpoint."""
+    logger = get_run_logger()
+    overrides = list(overrides or [])
+    cfg = load_config(config_path, overrides)
+    run_id = lineage if mode == "continue" else fresh_run_id(lineage)
+    runs = RunStore(ObjectStore.from_config(cfg.storage), run_id)
+    if runs.exists():  # the lineage's next run, or this flow run retried
+        done = runs.last_finished_iteration() or 0
+        if mode == "continue" and done >= cfg.trainer.total_iterations:
+            logger.warning("lineage %s finished all %d iterations: nothing to do (raise trainer.total_iterations "
+                           "or pause the deployment)", run_id, done)
+            return {"run_id": run_id, "finished_iteration": done, "skipped": True}
+        model = _parent_model(runs.read_run_info().get("parent"), cfg)
+        connect_ray(ray_address(cfg), cfg)
+        logger.info("resuming run %s after iteration %d", run_id, done)
+        return train(config_path, [*overrides, *model], resume=run_id, run_name=run_id)
+    parent, model = None, []
+    if base_checkpoint:
+        base, store = resolve_base(base_checkpoint, cfg)
+        model_dir = base_model_dir(base, store)
+        parent = {"run_id": base.run_id, "step": base.step, "checkpoint": base.url, "model_path": str(model_dir)}
+        model = [f"model.path={model_dir}"]
+        logger.info("new run %s from checkpoint step %d of %s", run_id, base.step, base.run_id)
+    connect_ray(ray_address(cfg), cfg)
+    return train(config_path, [*overrides, *model, f"trainer.run_id={run_id}"], run_name=run_id, parent=parent)
+
+
+def fresh_run_id(lineage: str) -> str:
+    """`<lineage>-<date>-<flow run id>`: one per flow run, the same when that flow run is retried."""
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None:
+        raise ConfigError("mode=fresh needs a flow run: run it through its deployment")
+    run = ctx.flow_run
+    stamp = f"-{run.created:%Y%m%d-%H%M%S}" if run.created else ""
+    return f"{lineage}{stamp}-{run.id.hex[:8]}"
+
+
+def ray_address(cfg: RLConfig) -> str:
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        raise ConfigError("no Ray cluster to run on: run deployments with `rlflow serve` (it connects the "
+                          "local stack), or set ray.address")
+    return address
+
+
+def _parent_model(parent: dict[str, Any] | None, cfg: RLConfig) -> list[str]:
+    """The override that keeps a resumed run on the model folder made from its base checkpoint."""
+    if not parent or not parent.get("model_path"):
+        return []
+    folder = Path(parent["model_path"])
+    if not (folder / "config.json").is_file():  # another machine, or a cleared cache: make it again
+        base, store = resolve_base(parent["checkpoint"], cfg)
+        folder = base_model_dir(base, store)
+    return [f"model.path={folder}"]
+
+
+# -- base checkpoints ---------------------------------------------------------------------------------
+
+_STEP_URL = re.compile(r"^(?P<root>.+)/(?P<run>[^/]+)/checkpoints/step_(?P<step>\d+)/?$")
+
+
+def resolve_base(text: str, cfg: RLConfig) -> tuple[BaseCheckpoint, ObjectStore]:
+    """`RUN`, `RUN:latest` or `RUN:STEP` under storage.root, or a committed step folder's URL."""
+    step: int | None
+    if "/" in text:
+        url = text if "://" in text else str(Path(text).expanduser().resolve())
+        found = _STEP_URL.match(url)
+        if not found:
+            raise ConfigError(f"--base-checkpoint {text!r}: expected <root>/<run>/checkpoints/step_NNNNNN")
+        store = ObjectStore.from_config(cfg.storage, root=found["root"])
+        run_id, step = found["run"], int(found["step"])
+    else:
+        run_id, _, step_text = text.partition(":")
+        store = ObjectStore.from_config(cfg.storage)
+        if step_text not in ("", "latest") and not step_text.isdigit():
+            raise ConfigError(f"--base-checkpoint {text!r}: expected RUN, RUN:latest or RUN:STEP")
+        step = int(step_text) if step_text.isdigit() else None
+    ckpts = CheckpointStore(store, run_id)
+    if step is None:
+        step = ckpts.resolve_loadable()
+        if step is None:
+            raise ConfigError(f"--base-checkpoint {text!r}: run {run_id!r} has no committed checkpoint under "
+                              f"{store.url()}")
+    elif not ckpts.is_committed(step):
+        raise ConfigError(f"--base-checkpoint {text!r}: no committed checkpoint step {step} of run {run_id!r} "
+                          f"under {store.url()} (committed: {ckpts.committed_steps() or 'none'})")
+    return BaseCheckpoint(run_id, step, ckpts.step_url(step)), store
+
+
+def base_model_dir(base: BaseCheckpoint, store: ObjectStore) -> Path:
+    """The policy weights of `base` as a Hugging Face model folder (made once, cached): the new run's
+    model, so its actor, rollout copy and reference all start there; its optimizer starts afresh."""
+    from engine.models import cache_dir
+
+    digest = hashlib.sha256(base.url.encode()).hexdigest()[:10]
+    out = cache_dir() / "base" / f"{base.run_id}-step_{base.step:06d}-{digest}"
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".making-") as tmp:
+        _export_policy(base, store, Path(tmp))
+        try:
+            os.replace(Path(tmp) / "hf", out)  # atomic: a folder with config.json is complete
+        except OSError:
+            if not (out / "config.json").is_file():
+                raise
+    return out
+
+
+def _export_policy(base: BaseCheckpoint, store: ObjectStore, tmp: Path) -> None:
+    """Verify and fetch the step, load its policy shards into the parent's model, save_pretrained."""
+    import torch.distributed.checkpoint as dcp
+
+    from engine.models import load_model, load_tokenizer, resolve_model_path, resolve_tokenizer_path
+
+    parent = build_config(RunStore(store, base.run_id).read_run_info()["config"])
+    CheckpointStore(store, base.run_id).fetch(base.step, str(tmp / "ckpt"))  # verifies every file
+    model = load_model(resolve_model_path(parent.model, parent.data.task), dtype=parent.model.dtype,
+                       trust_remote_code=parent.model.trust_remote_code)
+    state = {"model": model.state_dict()}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(tmp / "ckpt" / "policy")))  # in place, one process
+    model.load_state_dict(state["model"])
+    model.save_pretrained(tmp / "hf")
+    load_tokenizer(resolve_tokenizer_path(parent.model, parent.data.task),
+                   trust_remote_code=parent.model.trust_remote_code).save_pretrained(tmp / "hf")
+
+
+# -- deployments --------------------------------------------------------------------------------------
+
+def check_spec(spec: DeploySpec) -> RLConfig:
+    """Refuse what would fail later, before the deployment exists."""
+    from infra.layout import check_run_id
+
+    check_run_id(spec.name)  # the lineage's run id (continue) or its prefix (fresh)
+    secret = [o for o in spec.overrides if o.partition("=")[0].strip() in SECRET_KEYS]
+    if secret:
+        raise ConfigError(f"{secret[0].partition('=')[0]} would be stored in the deployment's parameters: set "
+                          "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment of `rlflow serve`")
+    if (spec.cron is None) == (spec.interval_s is None):
+        raise ConfigError("give one schedule: --cron EXPR or --interval SECONDS")
+    cfg = load_config(spec.config_path, spec.overrides)
+    if spec.mode == "continue":
+        if cfg.trainer.iterations_per_run is None:
+            raise ConfigError("--mode continue does trainer.iterations_per_run iterations per scheduled run: set "
+                              "it (for example trainer.iterations_per_run=10)")
+        if cfg.trainer.run_id not in (None, spec.name):
+            raise ConfigError(f"trainer.run_id={cfg.trainer.run_id} differs from --name {spec.name}: the lineage's "
+                              "run id is the deployment's name")
+    elif cfg.trainer.run_id is not None:
+        raise ConfigError("--mode fresh makes a new run id per scheduled run: leave trainer.run_id unset")
+    if spec.base_checkpoint:
+        resolve_base(spec.base_checkpoint, cfg)  # it must exist now, not only at 2 am
+    return cfg
+
+
+def runner_deployment(name: str, parameters: dict[str, Any], *, collision: Collision,
+                      schedules: list[Any] | None = None, cron: str | None = None,
+                      interval_s: float | None = None, timezone: str | None = None,
+                      paused: bool | None = None) -> Any:
+    """The deployment of `scheduled_train`: one schedule, at most one run at a time."""
+    from flows.plan import code_version
+
+    schedule: dict[str, Any] = {}
+    if schedules is not None:
+        schedule["schedules"] = schedules
+    elif cron is not None:
+        from prefect.schedules import Cron
+
+        schedule["schedule"] = Cron(cron, timezone=timezone) if timezone else Cron(cron)
+    elif interval_s is not None:
+        schedule["interval"] = interval_s
+    return scheduled_train.to_deployment(
+        name=name, parameters=parameters, paused=paused, tags=["rlflow", f"lineage:{name}"],
+        concurrency_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=_STRATEGY[collision]),
+        version=code_version(), entrypoint_type=EntrypointType.MODULE_PATH, **schedule,
+    )
+
+
+def deploy(spec: DeploySpec) -> UUID:
+    """Create or update the deployment `rlflow-scheduled/<name>` in the Prefect API."""
+    check_spec(spec)
+    deployment = runner_deployment(spec.name, spec.parameters(), collision=spec.collision, cron=spec.cron,
+                                   interval_s=spec.interval_s, timezone=spec.timezone)
+    return UUID(str(deployment.apply()))
+
+
+def read_deployments(names: list[str] | None = None) -> list[Any]:
+    """The rlflow deployments in the Prefect API (all, or those named)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    with get_client(sync_client=True) as client:
+        found = client.read_deployments(flow_filter=FlowFilter(name=FlowFilterName(any_=[FLOW_NAME])))
+    if names:
+        missing = sorted(set(names) - {d.name for d in found})
+        if missing:
+            raise ConfigError(f"no rlflow deployment named {', '.join(missing)} (create it with `rlflow deploy`)")
+        found = [d for d in found if d.name in names]
+    return list(found)
+
+
+def served(api: Any) -> Any:
+    """A deployment as the API holds it (schedules, pause, parameters edited in the UI), to serve."""
+    from prefect.client.schemas.actions import DeploymentScheduleCreate
+
+    strategy = api.concurrency_options.collision_strategy if api.concurrency_options else None
+    collision: Collision = "cancel-new" if strategy == ConcurrencyLimitStrategy.CANCEL_NEW else "enqueue"
+    schedules = [DeploymentScheduleCreate(schedule=s.schedule, active=s.active) for s in api.schedules]
+    return runner_deployment(api.name, dict(api.parameters), collision=collision, schedules=schedules,
+                             paused=api.paused)
+
+
+def serve_deployments(names: list[str] | None = None, limit: int | None = None) -> None:
+    """Execute the runs of the rlflow deployments until interrupted. The schedules stay active when this
+    process stops: runs that come due meanwhile wait (Late) and execute, one at a time, once it is back."""
+    from prefect import serve
+
+    deployments = [served(d) for d in read_deployments(names)]
+    if not deployments:
+        raise ConfigError("no rlflow deployments to serve: create one with `rlflow deploy`")
+    print(f"rlflow: serving {', '.join(f'{FLOW_NAME}/{d.name}' for d in deployments)}", flush=True)
+    serve(*deployments, pause_on_shutdown=False, limit=limit)

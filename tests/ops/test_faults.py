@@ -1,0 +1,201 @@
+"""Faults mid-run, each through the real CLI, stack and storage. Every test asserts: the run completes;
+the final weights equal an uninterrupted run's bit for bit (CPU); no complete buffer was regenerated;
+no prompt was skipped or used twice (the rollout buffers' `row_index`, the sampler's record)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from safetensors.torch import load_file
+
+from tests.services import Cli
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+REWARD = f"reward.function={Path(__file__).resolve().parents[1] / 'pipeline' / 'rewards.py'}:digit_share"
+ITERATIONS = 3
+
+
+def args(model: Path, root: str, run_id: str, *extra: str) -> list[str]:
+    return [f"model.path={model}", f"storage.root={root}", f"trainer.run_id={run_id}", REWARD,
+            f"trainer.total_iterations={ITERATIONS}", "trainer.save_every=1", "trainer.val_every=0",
+            "data.train_size=256", "data.val_size=16", "rollout.max_new_tokens=8", *extra]
+
+
+def weights(root: Path, run_id: str) -> dict:
+    return load_file(root / run_id / "export" / f"step_{ITERATIONS:06d}" / "model.safetensors")
+
+
+def sampler_record(root: Path, run_id: str) -> list[list[int]]:
+    """The prompt rows of every iteration, from its rollout buffer."""
+    out = []
+    for i in range(1, ITERATIONS + 1):
+        table = pq.read_table(root / run_id / "buffers" / f"iter_{i:06d}" / "rollout.parquet",
+                              columns=["row_index"], use_threads=False)
+        out.append(sorted(set(table.column("row_index").to_pylist())))
+    return out
+
+
+def buffers(root: Path, run_id: str) -> dict[str, tuple[int, bytes]]:
+    found = {}
+    for path in sorted((root / run_id / "buffers").rglob("*.parquet")):
+        found[str(path.relative_to(root))] = (path.stat().st_mtime_ns, path.read_bytes())
+    return found
+
+
+def assert_like_uninterrupted(root: Path, run_id: str, reference: dict) -> None:
+    got = weights(root, run_id)
+    assert got.keys() == reference["weights"].keys()
+    for key in got:
+        assert bool((got[key] == reference["weights"][key]).all()), key
+    record = sampler_record(root, run_id)
+    assert record == reference["record"]  # the same prompts, none skipped, none twice
+    flat = [r for rows in record for r in rows]
+    assert len(flat) == len(set(flat))
+
+
+def assert_reused(root: Path, run_id: str, iteration: int) -> None:
+    line = json.loads((root / run_id / "metrics" / f"iter_{iteration:06d}.json").read_text())
+    assert line["stages/reused"] >= 4, line["stages/reused"]  # rollout, reward, logprob, advantage
+
+
+@pytest.fixture(scope="module")
+def reference(cli: Cli, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("reference")
+    proc = cli("train", *args(tiny_model_dir, str(root), "reference"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {"weights": weights(root, "reference"), "record": sampler_record(root, "reference")}
+
+
+def test_engine_rank_killed_mid_update(cli: Cli, tiny_model_dir: Path, tmp_path: Path, reference: dict) -> None:
+    start = time.monotonic()
+    proc = cli("train", *args(tiny_model_dir, str(tmp_path), "rank-kill", "debug.kill_rank_mid_update=1",
+                              "debug.kill_iteration=2"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    logs = proc.stdout + proc.stderr
+    assert "iteration 2: the engine failed" in logs and "restored checkpoint step 1" in logs
+    assert_reused(tmp_path, "rank-kill", 2)
+    assert_like_uninterrupted(tmp_path, "rank-kill", reference)
+    print(f"rank kill: {time.monotonic() - start:.0f} s")
+
+
+def test_flow_process_killed_mid_iteration_then_resumed(cli: Cli, tiny_model_dir: Path, tmp_path: Path,
+                                                         reference: dict) -> None:
+    start = time.monotonic()
+    first = cli("train", *args(tiny_model_dir, str(tmp_path), "flow-kill", "debug.kill_flow_after=generate_rollouts",
+                               "debug.kill_iteration=2"))
+    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+    before = buffers(tmp_path, "flow-kill")
+    resumed = cli("train", "--resume", "flow-kill", f"storage.root={tmp_path}")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    after = buffers(tmp_path, "flow-kill")
+    assert all(after[k] == v for k, v in before.items())  # every complete buffer kept, none rewritten
+    assert_like_uninterrupted(tmp_path, "flow-kill", reference)
+    print(f"flow kill + resume: {time.monotonic() - start:.0f} s")
+
+
+def test_killed_during_checkpoint_upload(cli: Cli, tiny_model_dir: Path, tmp_path: Path, reference: dict) -> None:
+    start = time.monotonic()
+    proc = cli("train", *args(tiny_model_dir, str(tmp_path), "ckpt-kill", "debug.kill_during_checkpoint=true",
+                              "debug.kill_iteration=2"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (tmp_path / "ckpt-kill" / "debug" / "killed_checkpoint_000002").exists()  # the kill happened
+    ckpts = tmp_path / "ckpt-kill" / "checkpoints"
+    assert (ckpts / "LATEST").read_text().strip().endswith("3")
+    assert (ckpts / "step_000002" / "MANIFEST.json").exists()
+    assert_like_uninterrupted(tmp_path, "ckpt-kill", reference)
+    print(f"checkpoint-upload kill: {time.monotonic() - start:.0f} s")
+
+
+def test_corrupted_committed_shard_falls_back(cli: Cli, tiny_model_dir: Path, tmp_path: Path,
+                                              reference: dict) -> None:
+    start = time.monotonic()
+    first = cli("train", *args(tiny_model_dir, str(tmp_path), "corrupt", "debug.kill_flow_after=generate_rollouts",
+                               "debug.kill_iteration=3"))
+    assert first.returncode == -signal.SIGKILL
+    assert cli("engine", "stop", "corrupt").returncode == 0  # so the resume has to restore from storage
+    shard = sorted((tmp_path / "corrupt" / "checkpoints" / "step_000002" / "policy").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    resumed = cli("train", "--resume", "corrupt", f"storage.root={tmp_path}")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    logs = resumed.stdout + resumed.stderr
+    assert shard.name in logs  # the warning names the bad file
+    assert "restored checkpoint step 1" in logs and "replaying the updates of iteration 2" in logs
+    assert_like_uninterrupted(tmp_path, "corrupt", reference)
+    print(f"corrupted shard: {time.monotonic() - start:.0f} s")
+
+
+def test_s3_down_for_10s_mid_run(cli: Cli, tiny_model_dir: Path, s3_server, reference: dict,
+                                 tmp_path: Path) -> None:
+    from tests.infra.storage_helpers import ProxyProcess  # a TCP proxy in front of the S3 server
+
+    start = time.monotonic()
+    proxy = ProxyProcess(s3_server.port)
+    proxy.start()
+    fs = _s3(s3_server)
+    prefix = f"{s3_server.bucket}/faults-{tmp_path.name}"
+    try:
+        env = {**s3_server.env, "AWS_ENDPOINT_URL": proxy.endpoint_url}
+        run = cli.popen("train", *args(tiny_model_dir, f"s3://{prefix}", "s3-down"), env=env)
+        deadline = time.monotonic() + 300
+        while not fs.exists(f"{prefix}/s3-down/metrics/iter_000001.json") and time.monotonic() < deadline \
+                and run.poll() is None:
+            time.sleep(0.5)
+        proxy.kill()  # connections refused for 10 s, mid-run
+        time.sleep(10)
+        proxy.start()  # back on the same port
+        out, _ = run.communicate(timeout=600)
+        assert run.returncode == 0, out[-4000:]
+    finally:
+        proxy.kill()
+    local = tmp_path / "copy"
+    fs.get(f"{prefix}/s3-down", str(local / "s3-down"), recursive=True)
+    assert_like_uninterrupted(local, "s3-down", reference)
+    print(f"S3 down 10 s: {time.monotonic() - start:.0f} s")
+
+
+def test_prefect_server_restarted_mid_run(cli: Cli, tiny_model_dir: Path, stack_home: Path, tmp_path: Path,
+                                          reference: dict) -> None:
+    from infra.config import StackConfig
+    from infra.stack import LocalStack
+
+    start = time.monotonic()
+    run = cli.popen("train", *args(tiny_model_dir, str(tmp_path), "prefect-restart"))
+    marker = tmp_path / "prefect-restart" / "metrics" / "iter_000001.json"
+    deadline = time.monotonic() + 300
+    while not marker.exists() and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(0.5)
+    stack = LocalStack(StackConfig(home=str(stack_home)))
+    record = stack.status().prefect.record
+    assert record is not None
+    os.kill(record.pid, signal.SIGTERM)  # the Prefect server goes away mid-run...
+    gone = time.monotonic() + 60
+    while Path(f"/proc/{record.pid}").exists() and time.monotonic() < gone:
+        time.sleep(0.2)
+    down_s = time.monotonic()
+    LocalStack(StackConfig(home=str(stack_home), prefect_port=record.port)).up(("prefect",))  # ...and comes back
+    print(f"Prefect API was down {time.monotonic() - down_s:.0f} s")
+    out, _ = run.communicate(timeout=600)
+    assert run.returncode == 0, out[-4000:]
+    assert_like_uninterrupted(tmp_path, "prefect-restart", reference)
+    print(f"Prefect restart: {time.monotonic() - start:.0f} s")
+
+
+def _s3(server):  # noqa: ANN001, ANN202
+    import s3fs
+
+    return s3fs.S3FileSystem(key=server.env["AWS_ACCESS_KEY_ID"], secret=server.env["AWS_SECRET_ACCESS_KEY"],
+                             endpoint_url=server.endpoint_url)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(subprocess.call([sys.executable, "-m", "pytest", __file__, "-q", "-s"]))
