@@ -191,7 +191,9 @@ def open_run(cfg: RLConfig, run_id: str, *, resume: bool, parent: dict[str, Any]
         val_files=list(val.sources) if val is not None else [],
         engine=inputs.engine, data=cfg.data, rollout=cfg.rollout,
         algorithm=cfg.algorithm, reward=cfg.reward,
-        storage=cfg.storage.model_copy(update={"access_key_id": None, "secret_access_key": None}),
+        # An absolute root: the stages run in Ray workers whose working directory is not this one.
+        storage=cfg.storage.model_copy(update={"access_key_id": None, "secret_access_key": None,
+                                               "root": inputs.store.url()}),
         debug=cfg.debug,
     )
     return OpenRun(plan, cfg, inputs.store, runs, lease, resume)
