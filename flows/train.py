@@ -14,11 +14,13 @@ the updates c+1..i from the persisted advantage buffers — no regeneration.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -329,21 +331,49 @@ def connect_ray(address: str, cfg: RLConfig) -> None:
              runtime_env={"env_vars": worker_env(cfg)})
 
 
-# What the Ray workers running stages need from this process's environment. Credentials travel here,
-# in Ray's runtime environment, never in Prefect parameters or results.
+# What the Ray workers running stages need from this process's environment. Credentials are NOT
+# among them: Ray writes a job's runtime environment into its logs (runtime_env_agent.log), so the
+# workers get the path of a 0600 credentials file instead (see `credentials_file`).
 _WORKER_ENV = ("PREFECT_API_URL", "PREFECT_HOME", "PREFECT_LOGGING_LEVEL", "PREFECT_LOCAL_STORAGE_PATH",
-               "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
-               "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION", "RLFLOW_CACHE", "HF_HOME",
-               "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "DO_NOT_TRACK")
+               "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION", "RLFLOW_CACHE",
+               "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "DO_NOT_TRACK")
 
 
 def worker_env(cfg: RLConfig) -> dict[str, str]:
     env = {key: os.environ[key] for key in _WORKER_ENV if key in os.environ}
-    if cfg.storage.access_key_id is not None:
-        env["AWS_ACCESS_KEY_ID"] = cfg.storage.access_key_id.get_secret_value()
-    if cfg.storage.secret_access_key is not None:
-        env["AWS_SECRET_ACCESS_KEY"] = cfg.storage.secret_access_key.get_secret_value()
+    key_id = cfg.storage.access_key_id.get_secret_value() if cfg.storage.access_key_id else \
+        os.environ.get("AWS_ACCESS_KEY_ID")
+    secret = cfg.storage.secret_access_key.get_secret_value() if cfg.storage.secret_access_key else \
+        os.environ.get("AWS_SECRET_ACCESS_KEY")
+    if key_id and secret:
+        env["AWS_SHARED_CREDENTIALS_FILE"] = str(credentials_file(key_id, secret,
+                                                                  os.environ.get("AWS_SESSION_TOKEN")))
+        env["AWS_PROFILE"] = CREDENTIALS_PROFILE
     return env
+
+
+CREDENTIALS_PROFILE = "rlflow"
+
+
+def credentials_file(key_id: str, secret: str, token: str | None) -> Path:
+    """An AWS shared-credentials file readable by this user only, in the stack's state folder; its
+    name is a hash, so the workers' environment (which Ray logs) holds no credential."""
+    from infra.stack import resolve_home
+
+    folder = resolve_home() / "credentials"
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o700)
+    body = f"[{CREDENTIALS_PROFILE}]\naws_access_key_id = {key_id}\naws_secret_access_key = {secret}\n"
+    if token:
+        body += f"aws_session_token = {token}\n"
+    path = folder / (hashlib.sha256(body.encode()).hexdigest()[:16] + ".ini")
+    if not path.exists():
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(body)
+        os.replace(tmp, path)
+    return path
 
 
 class _graceful_stop:

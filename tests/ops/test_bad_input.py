@@ -1,0 +1,273 @@
+"""Bad input through the real CLI (`python -m flows.cli train ...` in a subprocess): each fails with one
+`rlflow: error: ...` line naming the input, exit code 2, no traceback, and nothing written — no run
+folder (or S3 object) for a new run, every file of a resumed run byte for byte as it was.
+
+Every check here happens before the stack starts: the CLI runs against a stack folder that must never
+come into being (`RLFLOW_HOME` under tmp_path), so a check that slipped behind the stack start fails the
+test instead of starting a Prefect server and a Ray head. Only the credentials test needs a service,
+the session's S3 server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.services import REPO, Cli
+
+pytestmark = pytest.mark.integration
+GOOD_ROWS = 8  # data.train_batch_size's default: the smallest training set a run accepts
+
+
+def row(i: int, **change: Any) -> dict[str, Any]:
+    """A valid verl-layout prompt row; `change` replaces (or, with None, removes) top-level keys."""
+    record: dict[str, Any] = {
+        "data_source": "rlflow/arith",
+        "prompt": [{"role": "user", "content": f"What is {i} + 2?"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(i + 2)},
+        "extra_info": {"index": i},
+    }
+    record.update(change)
+    return {k: v for k, v in record.items() if v is not None}
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def good_rows() -> list[dict[str, Any]]:
+    return [row(i) for i in range(GOOD_ROWS)]
+
+
+class Offline:
+    """`rlflow train` with a stack folder that must stay absent and no AWS settings from outside."""
+
+    def __init__(self, tmp: Path, model: Path) -> None:
+        self.home = tmp / "stack-never-started"
+        self.model = model
+        self.root = tmp / "runs"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        env.update(RLFLOW_HOME=str(self.home), RLFLOW_CACHE=str(tmp / "cache"), PYTHONPATH=str(REPO))
+        self.cli = Cli(env)
+
+    def train(self, *args: str, config: str | None = None, resume: str | None = None,
+              env: dict[str, str] | None = None) -> tuple[str, float]:
+        """`rlflow train [config] storage.root=... [model.path=... trainer.run_id=bad] args [--resume RUN]`:
+        assert it failed cleanly before the stack; return (the error line, seconds)."""
+        base = [f"storage.root={self.root}"]
+        if resume is None:
+            base += [f"model.path={self.model}", "trainer.run_id=bad"]
+        cmd = ["train", *([config] if config else []), *base, *args, *(["--resume", resume] if resume else [])]
+        start = time.monotonic()
+        proc = self.cli(*cmd, env=env, timeout=300)
+        seconds = time.monotonic() - start
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("rlflow: error:")]
+        assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-4000:]
+        assert len(errors) == 1 and proc.stderr.rstrip().endswith(errors[0]), proc.stderr[-4000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+        assert not self.home.exists(), "the stack was started before the input was checked"
+        if resume is None:
+            assert not (self.root / "bad").exists(), "a run folder was written for a bad input"
+        return errors[0], seconds
+
+
+@pytest.fixture
+def offline(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Offline]:
+    runner = Offline(tmp_path, tiny_model_dir)
+    try:
+        yield runner
+    finally:
+        if (runner.home / "stack").exists():  # a check ran too late: stop what it started
+            from infra.config import StackConfig
+            from infra.stack import LocalStack
+
+            LocalStack(StackConfig(home=str(runner.home))).down()
+
+
+# ----------------------------------------------------------------------------------------- data
+
+
+def _parquet(path: Path, rows: list[dict[str, Any]]) -> Path:
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+MALFORMED = {
+    # id: (file kind, the bad row, what the message must name)
+    "missing-prompt": ("jsonl", row(3, prompt=None), ["row 3", "'prompt'", "missing"]),
+    "missing-ground-truth": ("parquet", row(3, reward_model={"style": "rule"}),
+                             ["row 3", "'reward_model.ground_truth'", "missing"]),
+    "prompt-not-a-list": ("jsonl", row(3, prompt="What is 1 + 2?"), ["row 3", "'prompt'", "got str"]),
+    "data-source-not-a-string": ("jsonl", row(3, data_source=7), ["row 3", "'data_source'", "got 7"]),
+    "ground-truth-a-bool": ("jsonl", row(3, reward_model={"ground_truth": True}),
+                            ["row 3", "'reward_model.ground_truth'", "got bool True"]),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_dataset_row(case: str, offline: Offline, tmp_path: Path) -> None:
+    kind, bad, named = MALFORMED[case]
+    rows = good_rows()
+    rows[3] = bad
+    path = tmp_path / f"train.{kind}"
+    write_jsonl(path, rows) if kind == "jsonl" else _parquet(path, rows)
+    error, _ = offline.train(f"data.train_files=[{path}]")
+    assert str(path) in error and all(part in error for part in named), error
+
+
+def test_empty_dataset(offline: Offline, tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "empty.jsonl", [])
+    error, _ = offline.train(f"data.train_files=[{path}]")
+    assert str(path) in error and "no rows" in error, error
+
+
+def test_every_prompt_longer_than_the_limit(offline: Offline, tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "train.jsonl", good_rows())
+    error, _ = offline.train(f"data.train_files=[{path}]", "data.max_prompt_length=3")
+    assert "every one of the 8 train prompts" in error and "data.max_prompt_length=3" in error, error
+    assert str(path) in error, error
+
+
+# --------------------------------------------------------------------------------------- rewards
+
+REWARDS = '''
+def raises(data_source, solution_str, ground_truth, extra_info=None):
+    return 1.0 / len(solution_str)          # ZeroDivisionError on the empty response
+
+def nan(data_source, solution_str, ground_truth, extra_info=None):
+    return float("nan")
+
+def string(data_source, solution_str, ground_truth, extra_info=None):
+    return "1.0" if solution_str == ground_truth else 0.0   # only the right answer breaks it
+'''
+BROKEN = {"raises": "ZeroDivisionError", "nan": "returned nan", "string": "returned '1.0'"}
+
+
+@pytest.mark.parametrize("fn", list(BROKEN))
+def test_broken_reward_fails_before_the_run(fn: str, offline: Offline, tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "train.jsonl", good_rows())
+    module = tmp_path / "my_reward.py"
+    module.write_text(REWARDS)
+    error, _ = offline.train(f"data.train_files=[{data}]", f"reward.function={module}:{fn}")
+    assert BROKEN[fn] in error and "data_source 'rlflow/arith'" in error and "row 0" in error, error
+    assert f"{data}:0" in error, error  # the file row the preflight scored
+
+
+# ---------------------------------------------------------------------------------------- config
+
+BAD_CONFIG = {
+    # id: (overrides, what the message must name)
+    "unknown-key": (["trainer.iterations=3"], "trainer.iterations"),
+    "out-of-range": (["data.train_batch_size=0"], "data.train_batch_size=0"),
+    "wrong-type": (["actor.lr=fast"], "actor.lr"),
+    "missing-model-dir": (["model.path=/nonexistent/model"], "model.path '/nonexistent/model'"),
+    "batch-larger-than-data": (["data.train_batch_size=64"], "data.train_batch_size=64"),
+    "cuda-not-yet": (["trainer.device=cuda"], "trainer.device"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIG))
+def test_bad_config_value(case: str, offline: Offline, tmp_path: Path) -> None:
+    overrides, named = BAD_CONFIG[case]
+    data = write_jsonl(tmp_path / "train.jsonl", good_rows())
+    error, _ = offline.train(f"data.train_files=[{data}]", *overrides)
+    assert named in error, error
+
+
+# ---------------------------------------------------------------------------------------- storage
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])  # closed again when this returns: connections are refused
+
+
+def test_unreachable_s3_endpoint_fails_fast(offline: Offline, tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "train.jsonl", good_rows())
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    env = {"AWS_ACCESS_KEY_ID": "AKIAEXAMPLEEXAMPLE00", "AWS_SECRET_ACCESS_KEY": "not-a-real-secret"}
+    error, seconds = offline.train(f"data.train_files=[{data}]", "storage.root=s3://b/p",
+                                   f"storage.endpoint_url={endpoint}", env=env)
+    assert "storage.root=s3://b/p is unreachable at " + endpoint in error, error
+    assert "storage.endpoint_url" in error, error
+    assert seconds < 30, f"took {seconds:.1f}s"
+
+
+def test_wrong_s3_credentials(offline: Offline, tmp_path: Path, s3_server: Any) -> None:
+    from infra.s3server import DEV_ACCESS_KEY_ID, DEV_SECRET_ACCESS_KEY
+
+    data = write_jsonl(tmp_path / "train.jsonl", good_rows())
+    wrong = "wrong-secret-" + os.urandom(6).hex()
+    root = f"s3://{s3_server.bucket}/bad-credentials"
+    error, _ = offline.train(f"data.train_files=[{data}]", f"storage.root={root}",
+                             f"storage.endpoint_url={s3_server.endpoint_url}",
+                             f"storage.access_key_id={DEV_ACCESS_KEY_ID}", f"storage.secret_access_key={wrong}")
+    assert f"access denied to {root}/bad/run.json (403" in error, error  # a HEAD: no error code in the body
+    assert "storage.secret_access_key" in error and wrong not in error, error
+    import s3fs
+
+    fs = s3fs.S3FileSystem(key=DEV_ACCESS_KEY_ID, secret=DEV_SECRET_ACCESS_KEY, endpoint_url=s3_server.endpoint_url)
+    assert not fs.exists(f"{s3_server.bucket}/bad-credentials"), "an object was written with bad credentials"
+
+
+# ---------------------------------------------------------------------------------------- resume
+
+
+def test_resume_of_a_run_that_does_not_exist(offline: Offline) -> None:
+    error, _ = offline.train(resume="no-such-run")
+    assert "--resume no-such-run: no run 'no-such-run' under " + str(offline.root) in error, error
+    assert not offline.root.exists() or not any(offline.root.iterdir())
+
+
+def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def existing_run(offline: Offline, tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A run as `open_run` leaves it (run.json, the released lease) plus a finished iteration's metrics."""
+    from flows.config import load_config
+    from flows.plan import open_run
+
+    data = write_jsonl(tmp_path / "train.jsonl", good_rows())
+    cfg = load_config(None, [f"model.path={offline.model}", f"storage.root={offline.root}", "trainer.run_id=kept",
+                             f"data.train_files=[{data}]"])
+    run = open_run(cfg, "kept", resume=False)
+    run.runs.write_metrics(1, {"critic/score/mean": 0.25})
+    run.lease.release()
+    yield "kept", offline.root / "kept"
+
+
+RESUME_REFUSED = {
+    # id: (CONFIG or None, overrides, what the message must name)
+    "changes-model": (None, ["model.path={tmp}/another-model"], "--resume kept: the config changes model.path"),
+    "config-changes-model": ("configs/tiny_grpo.yaml", [], "--resume kept: the config changes model.path"),
+    "broken-reward": (None, ["reward.function={tmp}/my_reward.py:nan"], "returned nan"),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUME_REFUSED))
+def test_resume_refused_leaves_the_run_intact(case: str, offline: Offline, existing_run: tuple[str, Path],
+                                              tmp_path: Path) -> None:
+    run_id, folder = existing_run
+    (tmp_path / "another-model").mkdir()
+    (tmp_path / "my_reward.py").write_text(REWARDS)
+    before = snapshot(folder)
+    assert {"run.json", "lock.json", "metrics/iter_000001.json"} <= set(before)
+    config, overrides, named = RESUME_REFUSED[case]
+    error, _ = offline.train(*(o.format(tmp=tmp_path) for o in overrides), config=config, resume=run_id)
+    assert named in error, error
+    assert snapshot(folder) == before  # every file, its bytes and its mtime
