@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -154,5 +156,23 @@ def test_a_half_built_cache_entry_is_rebuilt(tmp_path: Path, monkeypatch: pytest
     half = tiny.tiny_cache_path("arith", 0)
     half.mkdir(parents=True)
     (half / "config.json").write_text("{")  # no report: never finished
+    dead = half.parent / f".{half.name}.tmp-dead"  # the temp dir of a builder that was killed
+    dead.mkdir()
     path = resolve_model_path(ModelConfig(path="tiny"), task="arith")
     assert tiny.read_report(path).steps == 1
+    assert not dead.exists()
+
+
+def test_concurrent_resolves_build_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path))
+    real_build, builds = tiny.build_tiny, []
+
+    def slow_quick_build(out: Path, task: str, seed: int) -> tiny.TinyReport:
+        builds.append(out)
+        time.sleep(0.5)  # both callers arrive while the first one builds
+        return real_build(out, task, seed, steps=1)
+
+    monkeypatch.setattr(tiny, "build_tiny", slow_quick_build)
+    with ThreadPoolExecutor(2) as pool:
+        paths = list(pool.map(lambda _: resolve_model_path(ModelConfig(path="tiny"), "arith"), range(2)))
+    assert paths[0] == paths[1] and len(builds) == 1

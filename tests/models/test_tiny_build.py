@@ -12,7 +12,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import tiny
 from engine.errors import ConfigError, RLFlowError
-from engine.tiny import TinyReport, build_tiny, exact_answer_rate, final_answer, read_report, weights_sha256
+from engine.tiny import (
+    TinyReport,
+    build_tiny,
+    exact_answer_rate,
+    final_answer,
+    is_correct,
+    read_report,
+    weights_sha256,
+)
 from flows.commands import model as model_command
 
 
@@ -72,10 +80,11 @@ def test_chat_template_and_character_tokens(tiny_dir: Path) -> None:
     assert tokenizer.decode(tokenizer("sort 312:\n", add_special_tokens=False)["input_ids"]) == "sort 312:\n"
 
 
-def test_sort_task_builds_and_evaluates(tmp_path: Path) -> None:
-    report = build_tiny(tmp_path / "sort", task="sort", seed=0, steps=2)
-    assert report.task == "sort"
-    rate = exact_answer_rate(tmp_path / "sort", "sort", n=8, seed=0)
+@pytest.mark.parametrize("task", ["sort", "countdown"])
+def test_other_tasks_build_and_evaluate(tmp_path: Path, task: str) -> None:
+    report = build_tiny(tmp_path / task, task=task, seed=0, steps=2)
+    assert report.task == task
+    rate = exact_answer_rate(tmp_path / task, task, n=8, seed=0)
     assert 0.0 <= rate <= 1.0
 
 
@@ -111,7 +120,12 @@ def test_build_restores_torch_state(tmp_path: Path) -> None:
     assert torch.are_deterministic_algorithms_enabled() == deterministic
 
 
-def test_final_answer() -> None:
+def test_final_answer_and_correctness() -> None:
     assert final_answer("#### 357") == "357"
     assert final_answer("work... ####  42 trailing") == "42"
     assert final_answer("357") is None
+    assert is_correct("arith", "#### 357", "357") and not is_correct("arith", "#### 35", "357")
+    truth = json.dumps({"target": 14, "numbers": [2, 3, 4]})
+    assert is_correct("countdown", "#### 2+3*4", truth) and is_correct("countdown", "#### 4*3+2", truth)
+    for wrong in ("#### (2+3)*4", "#### 2+12", "#### 2+3+4", "#### 2**3", '#### __import__("os")', "14"):
+        assert not is_correct("countdown", wrong, truth), wrong
