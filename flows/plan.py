@@ -21,7 +21,13 @@ from engine.config import RewardConfig
 from engine.data import PromptDataset, load_train_val
 from engine.engine import EngineSpec
 from engine.errors import ConfigError, RewardError
-from engine.models import cache_dir, load_tokenizer, prompt_lengths, resolve_model_path, resolve_tokenizer_path
+from engine.models import (
+    cache_dir,
+    load_tokenizer,
+    prompt_lengths,
+    resolve_model_path,
+    resolve_tokenizer_path,
+)
 from engine.workers.critic import CriticSpec
 from engine.workers.group import check_run_id
 from engine.workers.policy import PolicySpec

@@ -290,6 +290,9 @@ class LocalStack:
             PREFECT_SERVER_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{prefect_home / 'prefect.db'}",
             PREFECT_SERVER_ANALYTICS_ENABLED="false",
             PREFECT_SERVER_LOGGING_LEVEL="WARNING",
+            # The UI's own API address: `--port` does not reach it, and it would default to port 4200
+            # (whatever server runs there) for a stack on another port.
+            PREFECT_SERVER_UI_API_URL=prefect_api_url(port),
             DO_NOT_TRACK="1",
         )
         cmd = [_executable("prefect"), "server", "start", "--host", HOST, "--port", str(port)]

@@ -626,7 +626,7 @@ class _LocalBackend(_Backend):
         if os.path.isfile(path):
             return {path: os.stat(path).st_size}
         out = {}
-        for folder, dirs, files in os.walk(path):
+        for folder, _dirs, files in os.walk(path):
             for name in files:
                 if not name.startswith(_HIDDEN_PREFIX):
                     full = os.path.join(folder, name)

@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
-import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from storage_helpers import FAST, ProxyProcess
 
 from infra.store import ObjectStore
-from storage_helpers import FAST, ProxyProcess
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent

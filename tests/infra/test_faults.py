@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from storage_helpers import ProxyProcess
 
 from engine.batch import Batch
 from infra.buffers import read_buffer, write_buffer
@@ -30,7 +31,6 @@ from infra.checkpoints import CheckpointStore
 from infra.errors import StoreError
 from infra.runs import RunStore
 from infra.store import ObjectStore
-from storage_helpers import ProxyProcess
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent

@@ -13,12 +13,11 @@ import pytest
 from botocore.exceptions import ClientError, ConnectTimeoutError, EndpointConnectionError, ReadTimeoutError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from storage_helpers import FAST
 
 from infra.config import StorageConfig
 from infra.errors import InfraError, ObjectNotFound, StoreError, StoreUnavailable
 from infra.store import ObjectStore, classify_error
-
-from storage_helpers import FAST
 
 
 def test_bytes_round_trip_and_listing(store: ObjectStore) -> None:
