@@ -55,39 +55,22 @@ class CriticWorker(RankWorker):
         """Clipped value regression on `returns` (needs `values`, `returns`, `response_mask`)."""
         self.check_version(expected_version)
         cfg = self.spec.critic
-        mini = max(1, cfg.mini_batch_size // self.world_size)
         gen = torch.Generator().manual_seed(derive_seed(self.spec.seed, iteration, "update_critic", self.rank))
-        stats: dict[str, list[torch.Tensor]] = {}
-        for _ in range(cfg.ppo_epochs):
-            for minibatch in batch.shuffle(gen).chunks(mini):
-                for key, value in self._optimizer_step(minibatch).items():
-                    stats.setdefault(key, []).append(value)
+        local = fsdp.train_epochs(batch, model=self.model, optimizer=self.optimizer, cfg=cfg,
+                                  loss_agg_mode=cfg.loss_agg_mode, generator=gen, micro_loss=self._micro_loss,
+                                  grad_norm_key="critic/grad_norm")
         self.scheduler.step()
         self.version = iteration
-        local = {k: torch.stack(v).mean() for k, v in stats.items()}
         local["critic/lr"] = torch.tensor(self.optimizer.param_groups[0]["lr"])
         return fsdp.all_reduce_mean(local)
 
-    def _optimizer_step(self, minibatch: Batch) -> dict[str, torch.Tensor]:
-        cfg = self.spec.critic
-        micros = minibatch.chunks(cfg.micro_batch_size)
-        stats: dict[str, torch.Tensor] = {}
-        for micro, weight in zip(micros, fsdp.micro_weights(micros, cfg.loss_agg_mode)):
-            vpreds = response_values(self.model, micro)
-            loss, micro_stats = algos.clipped_value_loss(
-                vpreds=vpreds, values=micro["values"], returns=micro["returns"],
-                response_mask=micro["response_mask"], clip_range_value=cfg.clip_range_value,
-                loss_agg_mode=cfg.loss_agg_mode,
-            )
-            (loss * weight).backward()  # gradient accumulation, weighted to the global mini-batch
-            for key, value in {"vf_loss": loss, **micro_stats}.items():
-                stats[f"critic/{key}"] = stats.get(f"critic/{key}", 0.0) + value.detach() * weight
-        grad_norm = fsdp.clip_grad_norm(self.model, cfg.grad_clip)
-        if torch.isfinite(grad_norm):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        stats["critic/grad_norm"] = grad_norm.detach()
-        return stats
+    def _micro_loss(self, micro: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss, stats = algos.clipped_value_loss(
+            vpreds=response_values(self.model, micro), values=micro["values"], returns=micro["returns"],
+            response_mask=micro["response_mask"], clip_range_value=self.spec.critic.clip_range_value,
+            loss_agg_mode=self.spec.critic.loss_agg_mode,
+        )
+        return loss, {"critic/vf_loss": loss.detach(), **{f"critic/{k}": v for k, v in stats.items()}}
 
     def save(self, url: str, storage_options: dict[str, Any]) -> None:
         extra = {"scheduler": self.scheduler.state_dict(), "rng": fsdp.rng_state(), "version": self.version}

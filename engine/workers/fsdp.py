@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Callable
 from typing import Any
 
 import fsspec
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import fully_shard
 
+from engine.batch import Batch
 from engine.config import OptimConfig
 
 
@@ -144,6 +146,39 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
+
+
+MicroLoss = Callable[[Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def train_epochs(batch: Batch, *, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: OptimConfig,
+                 loss_agg_mode: str, generator: torch.Generator, micro_loss: MicroLoss, grad_norm_key: str,
+                 after_backward: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
+    """PPO epochs over this rank's shard: shuffled mini-batches (one optimizer step each) of
+    micro-batches whose gradients accumulate with global weights (see micro_weights). Returns the
+    mean of every stat over the optimizer steps (this rank's view; all_reduce_mean averages ranks)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    mini = max(1, cfg.mini_batch_size // world)  # rows of this rank per optimizer step
+    stats: dict[str, list[torch.Tensor]] = {}
+    for _ in range(cfg.ppo_epochs):
+        for minibatch in batch.shuffle(generator).chunks(mini):
+            micros = minibatch.chunks(cfg.micro_batch_size)
+            step: dict[str, torch.Tensor] = {}
+            for micro, weight in zip(micros, micro_weights(micros, loss_agg_mode)):
+                loss, micro_stats = micro_loss(micro)
+                (loss * weight).backward()  # gradient accumulation, weighted to the global mini-batch
+                if after_backward is not None:
+                    after_backward()
+                for key, value in micro_stats.items():
+                    step[key] = step.get(key, torch.zeros(())) + value.detach() * weight
+            grad_norm = clip_grad_norm(model, cfg.grad_clip)
+            if torch.isfinite(grad_norm):  # a non-finite gradient skips the step instead of poisoning AdamW
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step[grad_norm_key] = grad_norm.detach()
+            for key, value in step.items():
+                stats.setdefault(key, []).append(value)
+    return {k: torch.stack(v).mean() for k, v in stats.items()}
 
 
 def global_sum(value: float) -> float:

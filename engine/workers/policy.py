@@ -127,38 +127,20 @@ class PolicyWorker(RankWorker):
     def update_actor(self, batch: Batch, *, iteration: int, expected_version: int | None) -> dict[str, float]:
         """PPO epochs over mini-batches with gradient accumulation; the version becomes `iteration`."""
         self.check_version(expected_version)
-        cfg = self.spec.actor
-        mini = max(1, cfg.mini_batch_size // self.world_size)  # rows of this rank per optimizer step
         gen = torch.Generator().manual_seed(derive_seed(self.spec.seed, iteration, "update_actor", self.rank))
-        stats: dict[str, list[torch.Tensor]] = {}
         self.actor.train()
-        for _ in range(cfg.ppo_epochs):
-            for minibatch in batch.shuffle(gen).chunks(mini):
-                for key, value in self._optimizer_step(minibatch).items():
-                    stats.setdefault(key, []).append(value)
+        local = fsdp.train_epochs(batch, model=self.actor, optimizer=self.optimizer, cfg=self.spec.actor,
+                                  loss_agg_mode=self.spec.actor.loss_agg_mode, generator=gen,
+                                  micro_loss=self._micro_loss, grad_norm_key="actor/grad_norm",
+                                  after_backward=self._maybe_exit)
         self.scheduler.step()
         self.version = iteration
-        local = {k: torch.stack(v).mean() for k, v in stats.items()}
         local["actor/lr"] = torch.tensor(self.optimizer.param_groups[0]["lr"])
         return fsdp.all_reduce_mean(local)
 
-    def _optimizer_step(self, minibatch: Batch) -> dict[str, torch.Tensor]:
-        cfg = self.spec.actor
-        micros = minibatch.chunks(cfg.micro_batch_size)
-        stats: dict[str, torch.Tensor] = {}
-        for micro, weight in zip(micros, fsdp.micro_weights(micros, cfg.loss_agg_mode)):
-            loss, micro_stats = self._micro_loss(micro)
-            (loss * weight).backward()  # gradient accumulation, weighted to the global mini-batch
-            if self.exit_mid_update:  # a test fault: die with half an update done
-                os._exit(1)
-            for key, value in micro_stats.items():
-                stats[key] = stats.get(key, 0.0) + value * weight
-        grad_norm = fsdp.clip_grad_norm(self.actor, cfg.grad_clip)
-        if torch.isfinite(grad_norm):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        stats["actor/grad_norm"] = grad_norm.detach()
-        return stats
+    def _maybe_exit(self) -> None:
+        if self.exit_mid_update:  # a test fault: die with half an update done
+            os._exit(1)
 
     def _micro_loss(self, micro: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.spec.actor
