@@ -1,0 +1,125 @@
+"""Retry of a failed deployed run, twice: through the API call the UI's Retry button makes
+(`set_flow_run_state(id, AwaitingRetry())`), and by pressing the real button in the real Prefect UI in
+headless Chromium. Each time the flow runs again, every finished stage of the failed iteration comes
+back `Cached` (its buffer untouched), the live engine carries on, and the run completes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tasks.stages import RETRIES
+from tests.ops.conftest import (
+    NEVER,
+    Server,
+    flow_logs,
+    run_args,
+    serving,
+    subflow_runs,
+    task_states,
+    trigger,
+    wait_for,
+)
+from tests.services import Cli
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+REUSED = ("generate_rollouts", "score_rewards", "compute_logprobs", "compute_advantages")
+# update_policy of iteration 2 fails on every attempt of the first flow run (the task's own retries
+# included), then passes: the count is kept in storage (tasks/faults.py).
+FAULT = ["debug.fail_stage=update_policy", f"debug.fail_times={RETRIES + 1}", "debug.fail_iteration=2"]
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("retry-runs")
+
+
+@pytest.fixture(scope="module")
+def server(cli: Cli, tiny_model_dir: Path, root: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[Server]:
+    """Two deployments of failing runs (one per test), served for the module."""
+    for name in ("retry-api", "retry-ui"):
+        proc = cli("deploy", *run_args(tiny_model_dir, root, "trainer.iterations_per_run=2", *FAULT),
+                   "--name", name, "--cron", NEVER)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    with serving(cli, ["retry-api", "retry-ui"], tmp_path_factory.mktemp("serve-home")) as served:
+        yield served
+    for name in ("retry-api", "retry-ui"):
+        cli("engine", "stop", name)
+
+
+def failed_run(prefect: Any, server: Server, name: str, root: Path) -> tuple[Any, tuple[int, bytes]]:
+    """Trigger a run of `name`, wait until it failed; (the flow run, the failed iteration's rollout buffer)."""
+    run = wait_for(prefect, trigger(prefect, name).id, lambda s: s.is_final(), server)
+    assert run.state.is_failed(), f"{run.state.name}: {run.state.message}\n{server.tail()}"
+    assert (root / name / "metrics" / "iter_000001.json").exists()
+    assert not (root / name / "metrics" / "iter_000002.json").exists()
+    rollout = root / name / "buffers" / "iter_000002" / "rollout.parquet"
+    return run, (rollout.stat().st_mtime_ns, rollout.read_bytes())
+
+
+def assert_retried(prefect: Any, server: Server, run: Any, root: Path, rollout: tuple[int, bytes]) -> None:
+    """The retried flow run completes in a new `train` subflow run that reused the stages."""
+    done = wait_for(prefect, run.id, lambda s: s.is_final() and s.name != "AwaitingRetry", server)
+    assert done.state.is_completed(), f"{done.state.name}: {done.state.message}\n{server.tail()}"
+    assert done.run_count == 2
+    first, retried = subflow_runs(prefect, run.id)  # the train flow runs: the failed one and the retry's
+    assert first.state.is_failed() and retried.state.is_completed()
+    assert retried.parameters["resume"] == run.parameters["lineage"]
+    iteration = [r for r in subflow_runs(prefect, retried.id) if r.name == "iter-000002"]
+    assert len(iteration) == 1
+    states = task_states(prefect, iteration[0].id)
+    assert {stage: states.get(stage) for stage in REUSED} == dict.fromkeys(REUSED, "Cached"), states
+    assert states.get("update_policy") == "Completed", states
+    name = run.parameters["lineage"]
+    path = root / name / "buffers" / "iter_000002" / "rollout.parquet"
+    assert (path.stat().st_mtime_ns, path.read_bytes()) == rollout  # not regenerated
+    metrics = [json.loads((root / name / "metrics" / f"iter_{i:06d}.json").read_text()) for i in (1, 2)]
+    assert metrics[1]["stages/reused"] >= len(REUSED)
+    assert all("actor/pg_loss" in m for m in metrics)
+    assert "attached to the live engine" in flow_logs(prefect, [retried.id])  # the engine carried on
+
+
+def test_retry_through_the_api(prefect: Any, server: Server, root: Path) -> None:
+    from prefect.states import AwaitingRetry
+
+    run, rollout = failed_run(prefect, server, "retry-api", root)
+    result = prefect.set_flow_run_state(run.id, AwaitingRetry(message="retried by the test"))
+    assert result.status.value == "ACCEPT", result
+    assert_retried(prefect, server, run, root, rollout)
+
+
+def test_retry_button_in_the_ui(prefect: Any, server: Server, root: Path, api_url: str, tmp_path: Path) -> None:
+    """The failed run's page in the UI, a screenshot of it (flow-run-failed.png), the Retry button pressed."""
+    from playwright.sync_api import sync_playwright
+
+    run, rollout = failed_run(prefect, server, "retry-ui", root)
+    page_url = f"{api_url.removesuffix('/api')}/runs/flow-run/{run.id}"
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        try:
+            page.goto(page_url, wait_until="networkidle")
+            page.get_by_text(run.name).first.wait_for(timeout=60_000)
+            page.screenshot(path=str(tmp_path / "flow-run-failed.png"))
+            page.get_by_role("button", name="Retry", exact=True).click(timeout=30_000)
+            dialog = page.get_by_role("dialog").filter(has_text=f"Retry {run.name}?")  # the UI asks first
+            dialog.wait_for(timeout=10_000)
+            page.screenshot(path=str(tmp_path / "retry-dialog.png"))
+            dialog.get_by_role("button", name="Retry", exact=True).click()
+            wait_for(prefect, run.id, lambda s: s.name != "Failed", server, timeout_s=30)
+            page.screenshot(path=str(tmp_path / "flow-run-retried.png"))
+        except Exception:
+            page.screenshot(path=str(tmp_path / "ui-failure.png"))
+            (tmp_path / "ui-failure.html").write_text(page.content())
+            raise
+        finally:
+            browser.close()
+    assert_retried(prefect, server, run, root, rollout)
