@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import time
 from typing import Any
 
@@ -139,8 +140,8 @@ class PolicyWorker(RankWorker):
         return fsdp.all_reduce_mean(local)
 
     def _maybe_exit(self) -> None:
-        if self.exit_mid_update:  # a test fault: die with half an update done
-            os._exit(1)
+        if self.exit_mid_update:  # a test fault: SIGKILL this rank with half an update done
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _micro_loss(self, micro: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.spec.actor

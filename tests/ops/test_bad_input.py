@@ -25,7 +25,7 @@ import pytest
 from tests.services import REPO, Cli
 
 pytestmark = pytest.mark.integration
-GOOD_ROWS = 8  # data.train_batch_size's default: the smallest training set a run accepts
+GOOD_ROWS = 32  # data.train_batch_size of the default config: the smallest training set a run accepts
 
 
 def row(i: int, **change: Any) -> dict[str, Any]:

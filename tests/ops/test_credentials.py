@@ -83,7 +83,7 @@ def trained(cli: Cli, tiny_model_dir: Path, planted_s3: PlantedS3, tmp_path_fact
         f"storage.endpoint_url={planted_s3.endpoint_url}", f"storage.access_key_id={planted_s3.key_id}",
         f"storage.secret_access_key={planted_s3.secret}", f"trainer.run_id={RUN_ID}", REWARD,
         "trainer.total_iterations=2", "trainer.save_every=1", "trainer.val_every=2", "data.train_size=64",
-        "data.val_size=8", "rollout.max_new_tokens=8", "trainer.loggers=[tensorboard]", f"trainer.log_dir={log_dir}",
+        "data.train_batch_size=8", "actor.mini_batch_size=32", "actor.micro_batch_size=32", "data.val_size=8", "rollout.max_new_tokens=8", "trainer.loggers=[tensorboard]", f"trainer.log_dir={log_dir}",
         "--log-level", "DEBUG",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -26,7 +26,7 @@ ITERATIONS = 3
 def args(model: Path, root: str, run_id: str, *extra: str) -> list[str]:
     return [f"model.path={model}", f"storage.root={root}", f"trainer.run_id={run_id}", REWARD,
             f"trainer.total_iterations={ITERATIONS}", "trainer.save_every=1", "trainer.val_every=0",
-            "data.train_size=256", "data.val_size=16", "rollout.max_new_tokens=8", *extra]
+            "data.train_batch_size=8", "actor.mini_batch_size=32", "actor.micro_batch_size=32", "data.train_size=256", "data.val_size=16", "rollout.max_new_tokens=8", *extra]
 
 
 def weights(root: Path, run_id: str) -> dict:
@@ -50,7 +50,23 @@ def buffers(root: Path, run_id: str) -> dict[str, tuple[int, bytes]]:
     return found
 
 
-def assert_like_uninterrupted(root: Path, run_id: str, reference: dict) -> None:
+def written_once(times: dict[tuple[int, str], float]) -> None:
+    """Every buffer was written before every later stage's buffer: one regenerated after a failure
+    (an earlier stage redone after a later one, or an iteration redone after the next began) breaks it.
+    `times`: (iteration, buffer name) -> modification time."""
+    order = []
+    for i in range(1, ITERATIONS + 1):
+        order += [((i, "rollout"),), ((i, "reward"), (i, "logprob")), ((i, "advantage"),)]
+    for earlier, later in zip(order, order[1:]):
+        assert max(times[k] for k in earlier) <= min(times[k] for k in later), (earlier, later)
+
+
+def local_times(root: Path, run_id: str) -> dict[tuple[int, str], float]:
+    return {(i, name): (root / run_id / "buffers" / f"iter_{i:06d}" / f"{name}.parquet").stat().st_mtime
+            for i in range(1, ITERATIONS + 1) for name in ("rollout", "reward", "logprob", "advantage")}
+
+
+def assert_like_uninterrupted(root: Path, run_id: str, reference: dict, times: dict | None = None) -> None:
     got = weights(root, run_id)
     assert got.keys() == reference["weights"].keys()
     for key in got:
@@ -59,6 +75,7 @@ def assert_like_uninterrupted(root: Path, run_id: str, reference: dict) -> None:
     assert record == reference["record"]  # the same prompts, none skipped, none twice
     flat = [r for rows in record for r in rows]
     assert len(flat) == len(set(flat))
+    written_once(times if times is not None else local_times(root, run_id))
 
 
 def assert_reused(root: Path, run_id: str, iteration: int) -> None:
@@ -159,7 +176,9 @@ def test_s3_down_for_10s_mid_run(cli: Cli, tiny_model_dir: Path, s3_server, refe
         proxy.kill()
     local = tmp_path / "copy"
     fs.get(f"{prefix}/s3-down", str(local / "s3-down"), recursive=True)
-    assert_like_uninterrupted(local, "s3-down", reference)
+    times = {(i, name): fs.info(f"{prefix}/s3-down/buffers/iter_{i:06d}/{name}.parquet")["LastModified"].timestamp()
+             for i in range(1, ITERATIONS + 1) for name in ("rollout", "reward", "logprob", "advantage")}
+    assert_like_uninterrupted(local, "s3-down", reference, times)
     print(f"S3 down 10 s: {time.monotonic() - start:.0f} s")
 
 

@@ -17,7 +17,7 @@ REWARD = f"reward.function={Path(__file__).with_name('rewards.py')}:digit_share"
 def common(model: Path, root: str, run_id: str, *extra: str) -> list[str]:
     return [f"model.path={model}", f"storage.root={root}", f"trainer.run_id={run_id}", REWARD,
             "trainer.total_iterations=3", "trainer.save_every=2", "trainer.val_every=3", "data.train_size=256",
-            "data.val_size=16", "rollout.max_new_tokens=8", *extra]
+            "data.train_batch_size=8", "actor.mini_batch_size=32", "actor.micro_batch_size=32", "data.val_size=16", "rollout.max_new_tokens=8", *extra]
 
 
 def test_grpo_three_iterations_on_s3(cli: Cli, tiny_model_dir: Path, s3_server) -> None:
@@ -53,3 +53,24 @@ def test_ppo_two_iterations(cli: Cli, tiny_model_dir: Path, tmp_path: Path) -> N
 
 # A flow process killed mid-iteration and resumed (engine alive: attach; engine killed: restore and
 # replay) is tested against an uninterrupted run in tests/ops/test_faults.py.
+
+
+def test_ctrl_c_stops_after_committing_the_current_iteration(cli: Cli, tiny_model_dir: Path, tmp_path: Path) -> None:
+    import signal
+    import time
+
+    run = cli.popen("train", *common(tiny_model_dir, str(tmp_path), "interrupted", "trainer.total_iterations=50",
+                                     "trainer.save_every=100", "trainer.val_every=0"))
+    first = tmp_path / "interrupted" / "metrics" / "iter_000001.json"
+    deadline = time.monotonic() + 300
+    while not first.exists() and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(0.2)
+    run.send_signal(signal.SIGINT)  # one Ctrl-C: finish and commit the iteration in flight, then stop
+    out, _ = run.communicate(timeout=300)
+    assert run.returncode == 0, out[-4000:]
+    assert "stopping after this iteration is committed" in out
+    done = sorted(p.name for p in (tmp_path / "interrupted" / "metrics").glob("iter_*.json"))
+    last = int(done[-1][5:11])
+    assert 1 <= last < 50
+    latest = (tmp_path / "interrupted" / "checkpoints" / "LATEST").read_text().strip()
+    assert latest.endswith(str(last))  # what finished is committed, so a resume goes on from there
