@@ -91,7 +91,11 @@ def _reuse(ctx: StageContext, iteration: int, name: str) -> StageResult | None:
 
 
 def _write(ctx: StageContext, iteration: int, name: str, batch: Batch, metrics: dict[str, float]) -> StageResult:
+    start = time.perf_counter()
     ref = write_buffer(ctx.store, ctx.plan.run_id, iteration, name, batch.with_meta(metrics=metrics))
+    timings = ", ".join(f"{k.removeprefix('timing_s/')} {v:.2f} s" for k, v in metrics.items() if k.startswith("timing_s/"))
+    get_run_logger().info("iteration %d: %s buffer (%d rows) written in %.2f s; %s", iteration, name, len(batch),
+                          time.perf_counter() - start, timings or "no compute")
     return StageResult(ref=ref, metrics=metrics)
 
 
@@ -272,6 +276,7 @@ def _update(ctx: StageContext, iteration: int, role: str, advantage: BufferRef) 
         metrics = engine.update_actor(batch, iteration=iteration, expected_version=iteration - 1)
         metrics["timing_s/update_actor"] = time.perf_counter() - start - metrics.get("timing_s/weight_sync", 0.0)
     ctx.store.put_bytes(record_key, json.dumps(metrics).encode())
+    get_run_logger().info("iteration %d: %s update in %.2f s", iteration, role, time.perf_counter() - start)
     return metrics
 
 
