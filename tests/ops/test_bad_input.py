@@ -135,7 +135,7 @@ def test_empty_dataset(offline: Offline, tmp_path: Path) -> None:
 def test_every_prompt_longer_than_the_limit(offline: Offline, tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "train.jsonl", good_rows())
     error, _ = offline.train(f"data.train_files=[{path}]", "data.max_prompt_length=3")
-    assert "every one of the 8 train prompts" in error and "data.max_prompt_length=3" in error, error
+    assert f"every one of the {GOOD_ROWS} train prompts" in error and "data.max_prompt_length=3" in error, error
     assert str(path) in error, error
 
 
