@@ -34,11 +34,10 @@ from engine.engine import Engine
 from engine.errors import EngineDeadError, VersionMismatchError
 from flows import progress, report
 from flows.algorithms import stages_for
-from flows.config import RLConfig, load_config
+from flows.config import RLConfig
 from flows.loggers import MetricLoggers, require_packages, run_log_dir
-from flows.plan import OpenRun, new_run_id, open_run, resume_config
+from flows.plan import OpenRun, open_run, resolve_config
 from infra.buffers import load_ref
-from infra.store import ObjectStore
 from tasks.context import RunPlan, context
 from tasks.faults import maybe_kill_flow
 from tasks.stages import (
@@ -137,7 +136,7 @@ def train(config_path: str | None = None, overrides: list[str] | None = None, re
     """Train (or resume) one run; returns a summary. Parameters are JSON-able and hold no credentials.
     `parent`: the lineage a new run records in run.json (the run and checkpoint it starts from)."""
     logger = get_run_logger()
-    cfg, run_id = _resolve(config_path, list(overrides or []), resume)
+    cfg, run_id = resolve_config(config_path, list(overrides or []), resume)
     require_packages(cfg.trainer.loggers)  # a missing logger package fails before anything starts
     run = open_run(cfg, run_id, resume=resume is not None, parent=parent)
     log_dir = run_log_dir(cfg.trainer.log_dir, storage_root=cfg.storage.root, run_id=run_id)
@@ -309,16 +308,6 @@ def _last_iteration(cfg: RLConfig, first: int) -> int:
     if cfg.trainer.iterations_per_run:
         last = min(last, first + cfg.trainer.iterations_per_run - 1)
     return last
-
-
-def _resolve(config_path: str | None, overrides: list[str], resume: str | None) -> tuple[RLConfig, str]:
-    if resume is None:
-        cfg = load_config(config_path, overrides)
-        return cfg, new_run_id(cfg)
-    base = load_config(config_path, overrides) if config_path else None
-    probe = base or load_config(None, [o for o in overrides if o.startswith("storage.")])
-    cfg = resume_config(ObjectStore.from_config(probe.storage), resume, base, overrides)
-    return cfg, resume
 
 
 def connect_ray(address: str, cfg: RLConfig) -> None:
