@@ -77,8 +77,13 @@ def _doctor(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     path, overrides = split_config_args(args.args)
-    logging.getLogger("rlflow.storage").setLevel(logging.ERROR)  # its retry lines: the table has the result
-    checks = run_checks(path, overrides)
+    storage_log = logging.getLogger("rlflow.storage")
+    level = storage_log.level
+    storage_log.setLevel(logging.ERROR)  # its retry lines: the table has the result
+    try:
+        checks = run_checks(path, overrides)
+    finally:
+        storage_log.setLevel(level)
     console = Console()
     console.print(render(checks))
     blocking = [check.name for check in checks if check.blocks]
