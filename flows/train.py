@@ -38,6 +38,7 @@ from flows.config import RLConfig
 from flows.loggers import MetricLoggers, require_packages, run_log_dir
 from flows.plan import OpenRun, open_run, resolve_config
 from infra.buffers import load_ref
+from infra.checkpoints import CheckpointStore
 from tasks.context import RunPlan, context
 from tasks.faults import maybe_kill_flow
 from tasks.stages import (
@@ -263,11 +264,9 @@ def trainer_checkpoints(trainer: Trainer) -> list[int]:
     return _checkpoint_store(trainer).committed_steps()
 
 
-def _checkpoint_store(trainer: Trainer) -> Any:
-    from infra.checkpoints import CheckpointStore
-
+def _checkpoint_store(trainer: Trainer) -> CheckpointStore:
     storage = trainer.cfg.storage
-    return CheckpointStore(trainer.run.store, trainer.plan.run_id, storage.keep_last, storage.keep_every)
+    return trainer.run.runs.checkpoints(storage.keep_last, storage.keep_every)
 
 
 def _checkpoint(trainer: Trainer, iteration: int, force: bool = False) -> None:
