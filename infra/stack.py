@@ -29,6 +29,11 @@ Why it is built this way (measured on the 2-core dev machine with Prefect 3.9 an
 - RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0: on SIGTERM Ray 2.60 otherwise drains the node for 30 s,
   which never finishes while a detached actor lives (there is no Serve here to quiesce).
 - Ray's temp dir is /tmp/rlflow-ray-<hash of the state folder>: its socket paths must fit in 107 bytes.
+- Loopback only: on Linux Ray replaces `--node-ip-address=127.0.0.1` by the host's address, and its
+  gRPC servers (GCS, raylet) then listen on all interfaces and its agents on the host's address.
+  RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 selects Ray's single-machine mode (its default on macOS and
+  Windows): the node IP stays 127.0.0.1, and every Ray process then listens on 127.0.0.1 only
+  (tests/ops/test_credentials.py checks each listening socket). The head accepts no other nodes.
 """
 
 from __future__ import annotations
@@ -78,7 +83,15 @@ _PREFECT_DROP = (
     "PREFECT_SERVER_DATABASE_",
     "PREFECT_API_DATABASE_",
 )
-_RAY_DROP = ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+_RAY_DROP = (
+    "RAY_ADDRESS",
+    "RAY_AUTH_MODE",
+    "RAY_AUTH_TOKEN",
+    "RAY_AUTH_TOKEN_PATH",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
+)
+# Ray's single-machine mode: the node IP stays 127.0.0.1 and nothing listens beyond loopback (see above).
+_RAY_LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 _SPAWNED: dict[int, subprocess.Popen[bytes]] = {}  # children of this process, polled so they are reaped
 
@@ -93,6 +106,7 @@ class StackInfo:
     # None: not our head (an external cluster); its auth comes from the environment as it is.
     ray_auth: Literal["token", "disabled"] | None = None
     ray_token_path: str | None = None
+    ray_loopback: bool = False  # our head in Ray's single-machine mode: clients must use it too
 
 
 @dataclass(frozen=True)
@@ -109,6 +123,7 @@ class ProcessRecord:
     auth: Literal["token", "disabled"] | None = None
     num_cpus: int | None = None
     stage_slots: int | None = None
+    loopback: bool = False  # started with _RAY_LOOPBACK (heads recorded before it listen beyond)
 
 
 @dataclass(frozen=True)
@@ -277,7 +292,7 @@ class LocalStack:
                                log_offset=offset, started_at=time.time())  # fmt: skip
         if name == "ray":
             record = replace(record, temp_dir=str(ray_temp_dir(self.home)), auth=self.config.ray_auth,
-                             num_cpus=self.num_cpus, stage_slots=self.stage_slots)  # fmt: skip
+                             num_cpus=self.num_cpus, stage_slots=self.stage_slots, loopback=True)  # fmt: skip
         self._write_record(name, record)
         return record
 
@@ -304,7 +319,7 @@ class LocalStack:
         auth = self.config.ray_auth
         env = _env_without(_RAY_DROP)
         env.update(RAY_AUTH_MODE=auth, RAY_USAGE_STATS_ENABLED="0", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
-                   DO_NOT_TRACK="1")  # fmt: skip
+                   DO_NOT_TRACK="1", **_RAY_LOOPBACK)  # fmt: skip
         if auth == "token":
             env["RAY_AUTH_TOKEN_PATH"] = str(_ensure_token(token_path(self.home)))
         cmd = [
@@ -422,6 +437,7 @@ def _stack_info(api_url: str, ray_record: ProcessRecord, home: Path) -> StackInf
         ui_url=api_url.removesuffix("/api"),
         ray_auth=ray_record.auth,
         ray_token_path=str(token_path(home)) if ray_record.auth == "token" else None,
+        ray_loopback=ray_record.loopback,
     )
 
 
@@ -432,6 +448,8 @@ def connect_env(info: StackInfo) -> dict[str, str]:
     `apply_connect_env` does both for the current process.
     """
     env = {"PREFECT_API_URL": info.prefect_api_url, "RAY_ADDRESS": info.ray_address, "DO_NOT_TRACK": "1"}
+    if info.ray_loopback:  # else a driver turns 127.0.0.1 into the host's address and finds no GCS there
+        env.update(_RAY_LOOPBACK)
     if info.ray_auth is not None:
         env["RAY_AUTH_MODE"] = info.ray_auth
     if info.ray_auth == "token" and info.ray_token_path:
@@ -459,6 +477,8 @@ def apply_connect_env(info: StackInfo, environ: MutableMapping[str, str] | None 
         refresh_global_settings_context()
     if "ray" in sys.modules:
         _reload_ray_auth_config()
+        if info.ray_loopback:
+            _reload_ray_cluster_mode()
 
 
 def _reload_ray_auth_config() -> None:
@@ -479,6 +499,17 @@ def _reload_ray_auth_config() -> None:
         AttributeError,
     ) as err:  # a Ray without these internals: set the env before importing ray
         logger.warning("could not refresh Ray's auth settings (%s): set them before importing ray", err)
+
+
+def _reload_ray_cluster_mode() -> None:
+    """Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER into a constant when imported; it is looked up per call."""
+    try:
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    except (ImportError, AttributeError) as err:
+        logger.warning("could not switch Ray to single-machine mode (%s): set %s before importing ray", err,
+                       ", ".join(_RAY_LOOPBACK))  # fmt: skip
 
 
 # -- processes, ports, files ------------------------------------------------------------------------

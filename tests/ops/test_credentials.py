@@ -12,6 +12,7 @@ are tested in tests/rewards/test_sandbox.py.)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -230,18 +231,27 @@ def _readable(hex_address: str) -> str:
 
 def stack_listeners(stack_home: Path) -> list[tuple[str, str, str]]:
     """(service, process name, hex address:port) of every listening socket of the stack's processes."""
+    return [(service, name, address) for service, _, name, address in _stack_sockets(stack_home)]
+
+
+def _stack_sockets(stack_home: Path) -> list[tuple[str, int, str, str]]:
+    """(service, pid, process name, hex address:port) of every listening socket of the stack's processes."""
     listening = _listening()
     found = []
     for service in ("prefect", "ray"):
         record = json.loads((stack_home / "stack" / f"{service}.json").read_text())
         for pid in _session_pids(record["pid"]):
             try:
-                links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+                fds = list(Path(f"/proc/{pid}/fd").iterdir())
                 name = Path(f"/proc/{pid}/comm").read_text().strip()
-            except OSError:
+            except OSError:  # it ended
                 continue
+            links = []
+            for fd in fds:
+                with contextlib.suppress(OSError):  # closed meanwhile: one fd, not the whole process
+                    links.append(os.readlink(fd))
             inodes = {link[8:-1] for link in links if link.startswith("socket:[")}
-            found += [(service, name, listening[i]) for i in sorted(inodes & listening.keys())]
+            found += [(service, pid, name, listening[i]) for i in sorted(inodes & listening.keys())]
     return found
 
 
@@ -251,11 +261,35 @@ def test_prefect_server_binds_loopback_only(stack_home: Path) -> None:
     assert [f"{name} {_readable(a)}" for name, a in found if a.split(":")[0] not in _LOOPBACK] == []
 
 
-@pytest.mark.xfail(strict=True, reason="Ray 2.60's gcs_server, raylet, dashboard and runtime-env agents listen on "
-                   "all interfaces (or the host's address) although the head is started with "
-                   "--node-ip-address=127.0.0.1; Ray token auth (on by default in the stack) guards them")
+# A client of the stack with an actor, so that Ray's workers run too while the sockets are read.
+_ACTOR_CLIENT = """
+import os, sys
+from infra.stack import LocalStack, apply_connect_env
+from infra.config import StackConfig
+apply_connect_env(LocalStack(StackConfig(home=sys.argv[1])).status().info())
+import ray
+ray.init(namespace="loopback-probe", log_to_driver=False)
+@ray.remote(num_cpus=0)
+class Probe:
+    def pid(self):
+        return os.getpid()
+print(ray.get(Probe.remote().pid.remote()), flush=True)
+sys.stdin.read()
+"""
+
+
 def test_ray_head_binds_loopback_only(stack_home: Path) -> None:
-    found = [(name, a) for service, name, a in stack_listeners(stack_home) if service == "ray"]
-    assert found, "the Ray head listens nowhere?"
-    exposed = [f"{name} {_readable(a)}" for name, a in found if a.split(":")[0] not in _LOOPBACK]
-    assert exposed == [], f"the Ray head listens beyond loopback: {exposed}"
+    client = subprocess.Popen([sys.executable, "-c", _ACTOR_CLIENT, str(stack_home)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, cwd=REPO,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    try:
+        actor_pid = int(client.stdout.readline() or 0)  # type: ignore[union-attr]
+        assert actor_pid, "the probe client could not start its actor"
+        sockets = [(pid, name, a) for service, pid, name, a in _stack_sockets(stack_home) if service == "ray"]
+        assert {"gcs_server", "raylet"} <= {name for _, name, _ in sockets}
+        found = [(name, a) for _, name, a in sockets]
+        exposed = [f"{name} {_readable(a)}" for name, a in found if a.split(":")[0] not in _LOOPBACK]
+        assert exposed == [], f"the Ray head listens beyond loopback: {exposed}"
+    finally:
+        client.stdin.close()  # type: ignore[union-attr]
+        client.wait(timeout=60)

@@ -183,6 +183,10 @@ def test_connect_env() -> None:
     )
     external = StackInfo("u/api", "ray.example:6379", "u")  # a cluster of the user's: its auth is theirs
     assert not any(key.startswith("RAY_AUTH") for key in connect_env(external))
+    # Our head in Ray's single-machine mode (the node IP stays 127.0.0.1): its clients need the mode too.
+    loopback = StackInfo("u/api", "127.0.0.1:6379", "u", "token", "/h/tok", ray_loopback=True)
+    assert connect_env(loopback)["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in connect_env(token) | connect_env(external)
 
 
 def test_ray_command_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
