@@ -151,16 +151,16 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:
+def build_model(tokenizer: PreTrainedTokenizerFast, seed: int, shape: TinyShape = SHAPE) -> LlamaForCausalLM:
     """A freshly initialised small Llama; the weights depend only on `seed` (seeds torch's global RNG)."""
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=SHAPE.hidden_size,
-        intermediate_size=SHAPE.intermediate_size,
-        num_hidden_layers=SHAPE.num_hidden_layers,
-        num_attention_heads=SHAPE.num_attention_heads,
-        num_key_value_heads=SHAPE.num_attention_heads,
-        max_position_embeddings=SHAPE.max_position_embeddings,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_attention_heads,
+        max_position_embeddings=shape.max_position_embeddings,
         tie_word_embeddings=True,
         # 10000 is also the default of older transformers, which read `rope_theta`, not this.
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
@@ -358,9 +358,11 @@ def default_steps(task: str) -> int:
 
 
 def build_tiny(
-    out_dir: str | Path, task: str = "arith", seed: int = 0, steps: int | None = None
+    out_dir: str | Path, task: str = "arith", seed: int = 0, steps: int | None = None, shape: TinyShape = SHAPE
 ) -> TinyReport:
     """Build the tiny model for `task` into `out_dir` (which must not exist or be empty).
+
+    `shape` other than the default is for benchmarks (bench/): the cached `model.path: tiny` is SHAPE.
 
     Written into a temporary sibling directory and renamed into place at the end: `out_dir` either
     holds a complete model, with `rlflow_tiny.json` written last, or nothing.
@@ -377,7 +379,7 @@ def build_tiny(
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        report = _build_into(tmp, task, seed, steps)
+        report = _build_into(tmp, task, seed, steps, shape)
         _readable(tmp)
         os.rename(tmp, out)  # atomic; replaces an empty directory, fails on a full one
     except BaseException:
@@ -386,11 +388,11 @@ def build_tiny(
     return report
 
 
-def _build_into(directory: Path, task: str, seed: int, steps: int) -> TinyReport:
+def _build_into(directory: Path, task: str, seed: int, steps: int, shape: TinyShape) -> TinyReport:
     started = time.perf_counter()
     with deterministic_cpu(BUILD_THREADS):
         tokenizer = build_tokenizer()
-        model = build_model(tokenizer, seed)
+        model = build_model(tokenizer, seed, shape)
         warm_start(model, tokenizer, task, seed, steps)
         digest = weights_sha256(model)
         rate = exact_answer_rate(directory, task, model=model, tokenizer=tokenizer)

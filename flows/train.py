@@ -195,6 +195,7 @@ def run_with_restarts(trainer: Trainer, engine: Engine, iteration: int) -> Engin
 def run_iteration(trainer: Trainer, iteration: int) -> dict[str, float]:
     """Iteration k, then its validation, then its metrics line (the commit), then its checkpoint."""
     cfg, plan = trainer.cfg, trainer.plan
+    started = time.perf_counter()
     metrics = rl_iteration(plan, iteration, trainer.kl.value)
     metrics["actor/kl_coef"] = trainer.kl.value
     if "actor/reward_kl_penalty" in metrics:
@@ -202,6 +203,9 @@ def run_iteration(trainer: Trainer, iteration: int) -> dict[str, float]:
     if cfg.trainer.val_every and iteration % cfg.trainer.val_every == 0:
         with stage_options():
             metrics.update(validate.submit(plan, iteration).result().metrics)
+    # The whole iteration as the user waits for it: the subflow, its stages, validation (timing_s/step
+    # is the subflow's own stages only).
+    metrics["timing_s/iteration"] = time.perf_counter() - started
     trainer.run.runs.write_metrics(iteration, metrics)
     report.iteration_table(plan.run_id, iteration, metrics)
     trainer.loggers.log(iteration, metrics)
