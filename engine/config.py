@@ -82,6 +82,21 @@ class ActorConfig(OptimConfig):
     kl_loss_coef: float = Field(0.001, ge=0)
     kl_loss_type: str = Field("k3", description="a KL estimator name: k1, abs, k2, k3")
     entropy_coeff: float = Field(0.0, ge=0)
+    old_log_prob: Literal["auto", "recompute"] = Field(
+        "auto", description="auto: skip the separate old log-prob pass when the update is one optimizer step "
+        "on the whole batch (see reuses_update_logp); recompute: always run it")
+
+    def reuses_update_logp(self, completions_per_iteration: int, kl_in_reward: bool) -> bool:
+        """True when the old log-probs are the update's own log-probs, detached.
+
+        With one PPO epoch and one mini-batch covering the iteration's completions, the update makes a
+        single optimizer step, taken from the weights that generated: every micro-batch's log-probs are
+        computed before any weight changes, so they equal the old log-probs (ratio 1). The separate pass
+        over the batch is then pure cost (TRL skips it likewise). The in-reward KL needs them earlier,
+        in the advantage stage.
+        """
+        return (self.old_log_prob == "auto" and self.ppo_epochs == 1 and not kl_in_reward
+                and self.mini_batch_size >= completions_per_iteration)
 
     @field_validator("policy_loss")
     @classmethod
@@ -145,7 +160,9 @@ class RewardConfig(Section):
         description="a custom reward 'module:function' or 'path/to/file.py:function'; "
         "default: the registry, dispatched on each row's data_source",
     )
-    chunk_size: int = Field(64, gt=0, description="rows per parallel scoring task")
+    chunk_size: int = Field(512, gt=0, description="rows per scoring task: a batch of at most this many rows "
+                            "is scored in the stage's own process, a larger one in parallel Ray tasks of this "
+                            "many rows (lower it for slow rewards)")
     sandbox_timeout_s: float = Field(5.0, gt=0, description="wall clock for rewards that run code")
     sandbox_memory_mb: int = Field(256, gt=0, description="address-space cap for rewards that run code")
 

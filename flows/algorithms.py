@@ -49,7 +49,8 @@ def stages_for(cfg: RLConfig) -> list[Stage]:
     stages.append(REWARD)
     if spec.needs_baseline:
         stages.append(BASELINE_REWARD)
-    stages.append(OLD_LOGP)
+    if cfg.needs_old_logp:
+        stages.append(OLD_LOGP)
     if cfg.needs_ref:
         stages.append(REF_LOGP)
     if cfg.critic.enable:
@@ -64,7 +65,8 @@ def stages_for(cfg: RLConfig) -> list[Stage]:
     stages.append(Stage("compute_advantages", tuple(adv_reads), ("token_rewards", "adv", "returns")))
     if cfg.critic.enable:
         stages.append(UPDATE_CRITIC)
-    actor_reads = ["old_logp", "adv", "response_mask"] + (["ref_logp"] if cfg.actor.use_kl_loss else [])
+    actor_reads = (["old_logp"] if cfg.needs_old_logp else []) + ["adv", "response_mask"]
+    actor_reads += ["ref_logp"] if cfg.actor.use_kl_loss else []
     stages.append(Stage("update_policy", tuple(actor_reads), ()))
     check_stages(stages)
     return stages

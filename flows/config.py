@@ -141,6 +141,12 @@ class RLConfig(BaseModel):
     def needs_ref(self) -> bool:
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
+    @property
+    def needs_old_logp(self) -> bool:
+        """Whether an old log-prob pass runs (see ActorConfig.reuses_update_logp)."""
+        completions = self.data.train_batch_size * self.rollout.n
+        return not self.actor.reuses_update_logp(completions, self.algorithm.use_kl_in_reward)
+
     def public_dict(self) -> dict[str, Any]:
         """JSON-able, credentials left out: what run.json, logs and Prefect parameters may hold."""
         data = self.model_dump(mode="json")

@@ -25,6 +25,7 @@ from typing import Any
 
 import ray
 from prefect import flow, get_run_logger
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 from prefect_ray import RayTaskRunner
 from prefect_ray.context import remote_options
 
@@ -82,7 +83,8 @@ def rl_iteration(plan: RunPlan, iteration: int, kl_coef: float) -> dict[str, flo
         baseline = generate_baseline.submit(plan, iteration, wait_for=[rollout]) if remax else None
         reward = score_rewards.submit(plan, iteration, rollout)  # overlaps the log-probs
         baseline_reward = score_baseline.submit(plan, iteration, baseline) if baseline is not None else None
-        logprob = compute_logprobs.submit(plan, iteration, rollout, wait_for=[baseline] if baseline else [])
+        logprob = compute_logprobs.submit(plan, iteration, rollout, wait_for=[baseline] if baseline else []) \
+            if plan.needs_logprob_stage else None
         advantage = compute_advantages.submit(plan, iteration, rollout, reward, logprob, kl_coef, baseline_reward)
         critic = update_critic.submit(plan, iteration, advantage) if plan.has_critic else None
         policy = update_policy.submit(plan, iteration, advantage, wait_for=[critic] if critic else [])
@@ -196,7 +198,10 @@ def run_iteration(trainer: Trainer, iteration: int) -> dict[str, float]:
     """Iteration k, then its validation, then its metrics line (the commit), then its checkpoint."""
     cfg, plan = trainer.cfg, trainer.plan
     started = time.perf_counter()
-    metrics = rl_iteration(plan, iteration, trainer.kl.value)
+    # No heartbeat thread for the per-iteration subflow (the run's flow keeps its own): Prefect joins it at
+    # the subflow's end, and it sleeps in 1 s steps, so every iteration waited ~0.5 s for it.
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        metrics = rl_iteration(plan, iteration, trainer.kl.value)
     metrics["actor/kl_coef"] = trainer.kl.value
     if "actor/reward_kl_penalty" in metrics:
         trainer.kl.update(metrics["actor/reward_kl_penalty"], n_steps=cfg.data.train_batch_size * cfg.rollout.n)

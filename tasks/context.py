@@ -54,6 +54,16 @@ class RunPlan(BaseModel):
     def has_critic(self) -> bool:
         return self.engine.critic is not None
 
+    @property
+    def needs_old_logp(self) -> bool:
+        """Whether the old log-prob pass runs (see ActorConfig.reuses_update_logp)."""
+        completions = self.data.train_batch_size * self.rollout.n
+        return not self.engine.policy.actor.reuses_update_logp(completions, self.algorithm.use_kl_in_reward)
+
+    @property
+    def needs_logprob_stage(self) -> bool:
+        return self.needs_old_logp or self.needs_ref or self.has_critic
+
 
 @dataclass
 class StageContext:

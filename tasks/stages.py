@@ -146,8 +146,15 @@ def _score_chunk(sources: list[str], texts: list[str], truths: list[Any], extra:
 
 
 def _score(ctx: StageContext, batch: Batch) -> torch.Tensor:
-    """Scores [B] of `batch["response_text"]`, chunks scored as parallel Ray tasks."""
+    """Scores [B] of `batch["response_text"]`: in this process, or in chunks as parallel Ray tasks.
+
+    One chunk is scored here: a Ray task for it would cost more than rule rewards take, and each
+    extra num_cpus=0 task may start a worker process that competes with the next stage for the cores.
+    """
     size = ctx.plan.reward.chunk_size
+    if len(batch) <= size:
+        return torch.tensor(score_batch(batch["data_source"], batch["response_text"], batch["ground_truth"],
+                                        batch["extra_info"], cfg=ctx.plan.reward).scores, dtype=torch.float32)
     cfg = ctx.plan.reward.model_dump()
     refs = [
         _score_chunk.remote(batch["data_source"][i:i + size], batch["response_text"][i:i + size],
@@ -203,9 +210,10 @@ def compute_logprobs(plan: RunPlan, iteration: int, rollout: StageResult) -> Sta
     batch = read_buffer(ctx.store, rollout.ref).select(
         "input_ids", "attention_mask", "responses", "response_mask")
     engine, metrics, tensors = ctx.engine(), {}, {}
-    start = time.perf_counter()
-    tensors.update(engine.compute_log_prob(batch, expected_version=iteration - 1).tensors)
-    metrics["timing_s/old_log_prob"] = time.perf_counter() - start
+    if ctx.plan.needs_old_logp:
+        start = time.perf_counter()
+        tensors.update(engine.compute_log_prob(batch, expected_version=iteration - 1).tensors)
+        metrics["timing_s/old_log_prob"] = time.perf_counter() - start
     if ctx.plan.needs_ref:
         start = time.perf_counter()
         tensors.update(engine.compute_ref_log_prob(batch).tensors)
@@ -221,7 +229,7 @@ def compute_logprobs(plan: RunPlan, iteration: int, rollout: StageResult) -> Sta
 
 @stage("compute_advantages")
 def compute_advantages(plan: RunPlan, iteration: int, rollout: StageResult, reward: StageResult,
-                       logprob: StageResult, kl_coef: float, baseline: StageResult | None = None
+                       logprob: StageResult | None, kl_coef: float, baseline: StageResult | None = None
                        ) -> StageResult:
     """Everything the updates need in one `advantage` buffer (what a replay reads back)."""
     ctx = context(plan)

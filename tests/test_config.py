@@ -119,3 +119,21 @@ def test_config_hash_ignores_where_and_how_often_but_not_what() -> None:
         assert load_config(None, same).config_hash() == base, same
     for other in (["trainer.seed=1"], ["rollout.n=4"], ["trainer.total_iterations=7"]):
         assert load_config(None, other).config_hash() != base, other
+
+
+@pytest.mark.parametrize(("overrides", "old_logp"), [
+    ([], True),  # the default: 32 x 8 = 256 completions, mini-batch 128 -> two optimizer steps
+    (["actor.mini_batch_size=256"], False),  # one optimizer step on the whole batch
+    (["actor.mini_batch_size=256", "actor.ppo_epochs=2"], True),
+    (["actor.mini_batch_size=256", "actor.old_log_prob=recompute"], True),
+    (["actor.mini_batch_size=256", "algorithm.use_kl_in_reward=true"], True),  # the advantages need them
+])
+def test_old_logprob_pass_only_when_the_update_is_off_policy(overrides: list[str], old_logp: bool) -> None:
+    from flows.algorithms import stages_for
+
+    cfg = load_config(None, overrides)
+    assert cfg.needs_old_logp is old_logp
+    names = [s.name for s in stages_for(cfg)]
+    assert ("compute_old_logprobs" in names) is old_logp
+    update = next(s for s in stages_for(cfg) if s.name == "update_policy")
+    assert ("old_logp" in update.reads) is old_logp

@@ -150,7 +150,10 @@ class PolicyWorker(RankWorker):
         logp = algos.logprobs_from_logits(logits, micro["responses"])
         policy_loss = algos.get_policy_loss(cfg.policy_loss)
         pg_loss, pg_stats = policy_loss(
-            logp=logp, old_logp=micro["old_logp"], adv=micro["adv"], response_mask=mask,
+            # No old_logp column: the stages skipped that pass because this update is one optimizer
+            # step from the generating weights (ActorConfig.reuses_update_logp): old = current.
+            logp=logp, old_logp=micro["old_logp"] if "old_logp" in micro else logp.detach(), adv=micro["adv"],
+            response_mask=mask,
             clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c,
             loss_agg_mode=cfg.loss_agg_mode,
         )

@@ -300,3 +300,26 @@ def test_cli_engine_list_and_stop(ray_address: str, tiny_model_dir: Path) -> Non
         assert cli("stop", "cli-run").returncode == 1
     finally:
         eng.stop()
+
+
+def test_update_without_old_logp_equals_update_with_recomputed_old_logp(ray_address: str, tiny_model_dir: Path,
+                                                                        tmp_path: Path) -> None:
+    """One PPO epoch, one mini-batch: the update's own (detached) log-probs are the old log-probs."""
+    spec = make_spec(tiny_model_dir, "onpolicy", use_ref=False)  # mini-batch 8 = the whole batch below
+    assert spec.policy.actor.reuses_update_logp(8, kl_in_reward=False)
+    eng = Engine.start(spec)
+    try:
+        batch = eng.generate(prompts(tiny_model_dir), iteration=1, expected_version=0)
+        adv = torch.linspace(-1, 1, 8).unsqueeze(1) * batch["response_mask"]
+        eng.save(str(tmp_path / "v0"))
+        old = eng.compute_log_prob(batch, expected_version=0)
+        with_old = eng.update_actor(batch.with_tensors(old_logp=old["old_logp"], adv=adv), iteration=1,
+                                    expected_version=0)
+        recomputed = eng.weights_digest()
+        assert eng.load(str(tmp_path / "v0")) == 0
+        without = eng.update_actor(batch.with_tensors(adv=adv), iteration=1, expected_version=0)
+        assert eng.weights_digest() == recomputed
+        assert without["actor/pg_loss"] == with_old["actor/pg_loss"]
+        assert without["actor/ppo_kl"] == 0.0
+    finally:
+        eng.stop()

@@ -23,7 +23,8 @@ def common(model: Path, root: str, run_id: str, *extra: str) -> list[str]:
 def test_grpo_three_iterations_on_s3(cli: Cli, tiny_model_dir: Path, s3_server) -> None:
     env = {**cli.env, **s3_server.env}
     root = f"s3://{s3_server.bucket}/pipeline"
-    proc = Cli(env)("train", *common(tiny_model_dir, root, "grpo-s3"))
+    # Chunks of 16 rows: the reward stage scores in parallel Ray tasks (the other tests score in-process).
+    proc = Cli(env)("train", *common(tiny_model_dir, root, "grpo-s3", "reward.chunk_size=16"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Prefect UI http://127.0.0.1:" in proc.stdout
     import s3fs
@@ -49,6 +50,20 @@ def test_ppo_two_iterations(cli: Cli, tiny_model_dir: Path, tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stderr[-4000:]
     last = json.loads((tmp_path / "ppo" / "metrics" / "iter_000002.json").read_text())
     assert {"critic/vf_loss", "critic/values/mean", "actor/pg_loss", "timing_s/update_critic"} <= set(last)
+
+
+def test_grpo_one_optimizer_step_skips_the_old_logprob_pass(cli: Cli, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """8 prompts x 8 = 64 completions, mini-batch 64: no compute_logprobs stage, no logprob buffer."""
+    proc = cli("train", *common(tiny_model_dir, str(tmp_path), "onpolicy", "actor.mini_batch_size=64",
+                                "trainer.total_iterations=2", "trainer.val_every=0"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run = tmp_path / "onpolicy"
+    metrics = [json.loads((run / "metrics" / f"iter_{i:06d}.json").read_text()) for i in (1, 2)]
+    for m in metrics:
+        assert "timing_s/old_log_prob" not in m and m["actor/ppo_kl"] == 0.0 and m["actor/pg_clipfrac"] == 0.0
+        assert m["actor/grad_norm"] > 0 and "timing_s/update_actor" in m
+    assert (run / "buffers" / "iter_000002" / "advantage.parquet").exists()
+    assert not (run / "buffers" / "iter_000002" / "logprob.parquet").exists()
 
 
 # A flow process killed mid-iteration and resumed (engine alive: attach; engine killed: restore and
