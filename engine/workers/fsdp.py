@@ -162,7 +162,7 @@ def train_epochs(batch: Batch, *, model: nn.Module, optimizer: torch.optim.Optim
     stats: dict[str, list[torch.Tensor]] = {}
     for _ in range(cfg.ppo_epochs):
         for minibatch in batch.shuffle(generator).chunks(mini):
-            micros = minibatch.chunks(cfg.micro_batch_size)
+            micros = by_length(minibatch).chunks(cfg.micro_batch_size)
             step: dict[str, torch.Tensor] = {}
             for micro, weight in zip(micros, micro_weights(micros, loss_agg_mode)):
                 loss, micro_stats = micro_loss(micro)
@@ -179,6 +179,16 @@ def train_epochs(batch: Batch, *, model: nn.Module, optimizer: torch.optim.Optim
             for key, value in step.items():
                 stats.setdefault(key, []).append(value)
     return {k: torch.stack(v).mean() for k, v in stats.items()}
+
+
+def by_length(batch: Batch) -> Batch:
+    """The rows sorted by response length (stable), so that each micro-batch's padding is short:
+    the forward pass leaves out what is padding in all its rows (policy.response_logits). Micro-batch
+    gradients add up with global weights (micro_weights), so the grouping does not change the update."""
+    if "response_mask" not in batch:
+        return batch
+    order = torch.argsort(batch["response_mask"].sum(-1), stable=True)
+    return batch.index(order.tolist())
 
 
 def global_sum(value: float) -> float:

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from pydantic import BaseModel
 from torch import nn
 
@@ -116,13 +117,15 @@ class PolicyWorker(RankWorker):
     def _forward_chunks(self, model: nn.Module, batch: Batch, micro: int, entropy: bool
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         logps, ents = [], []
-        for chunk in batch.chunks(micro):
+        order = torch.argsort(batch["response_mask"].sum(-1), stable=True)  # short padding per chunk
+        for chunk in batch.index(order.tolist()).chunks(micro):
             logits = response_logits(model, chunk, self.spec.rollout.temperature)  # [b, T, V]
             logps.append(algos.logprobs_from_logits(logits, chunk["responses"]))
             if entropy:
                 ents.append(algos.entropy_from_logits(logits))
-        logp = torch.cat(logps)
-        return logp, (torch.cat(ents) if entropy else torch.zeros_like(logp))
+        back = torch.argsort(order)  # the rows in the caller's order again
+        logp = torch.cat(logps)[back]
+        return logp, (torch.cat(ents)[back] if entropy else torch.zeros_like(logp))
 
     # -- update ------------------------------------------------------------------------------------
     def update_actor(self, batch: Batch, *, iteration: int, expected_version: int | None) -> dict[str, float]:
@@ -235,9 +238,21 @@ class PolicyWorker(RankWorker):
 
 def response_logits(model: nn.Module, batch: Batch, temperature: float) -> torch.Tensor:
     """Logits that score each response token: [B, P+T] inputs -> [B, T, V], divided by the sampling
-    temperature so log-probs match the distribution the rollout sampled from (as verl does)."""
+    temperature so log-probs match the distribution the rollout sampled from (as verl does).
+
+    Columns that are padding in every row never reach the model: the left padding all prompts share
+    and the responses' tail past the longest response of `batch` (a micro-batch). Real tokens get the
+    same logits (their positions count real tokens, pads are masked keys); the positions past the
+    longest response get zeros, which every loss and statistic masks out.
+    """
     input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: count real tokens
     t = batch["responses"].shape[1]
+    keep = max(1, int(batch["response_mask"].sum(-1).max())) if t else 0
+    real = attention_mask.any(0).nonzero()
+    first = int(real[0]) if len(real) else 0
+    end = input_ids.shape[1] - t + keep
+    input_ids, attention_mask = input_ids[:, first:end], attention_mask[:, first:end]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: count real tokens
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    return logits[:, -t - 1 : -1].float() / temperature  # position j predicts token j+1
+    out = logits[:, -keep - 1 : -1].float() / temperature  # position j predicts token j+1
+    return F.pad(out, (0, 0, 0, t - keep)) if keep < t else out

@@ -176,3 +176,34 @@ def test_concurrent_resolves_build_once(tmp_path: Path, monkeypatch: pytest.Monk
     with ThreadPoolExecutor(2) as pool:
         paths = list(pool.map(lambda _: resolve_model_path(ModelConfig(path="tiny"), "arith"), range(2)))
     assert paths[0] == paths[1] and len(builds) == 1
+
+
+def test_response_logits_skips_all_pad_columns_and_keeps_real_token_logits(tiny_dir: Path) -> None:
+    """Trimmed forward (shared left padding, response tail) == the full padded forward on real tokens."""
+    from engine.batch import Batch
+    from engine.workers.policy import response_logits
+
+    model, tokenizer = load_model_and_tokenizer(ModelConfig(path=str(tiny_dir)), task="arith")
+    enc = encode_prompts(tokenizer, [[{"role": "user", "content": "12+3="}], [{"role": "user", "content": "1+2="}]])
+    pad = tokenizer.pad_token_id
+    # Two extra left-pad columns in every row, responses of 3 and 1 tokens padded to 6.
+    prompt_ids = torch.cat([torch.full((2, 2), pad), enc.input_ids], 1)
+    prompt_mask = torch.cat([torch.zeros(2, 2, dtype=torch.long), enc.attention_mask], 1)
+    responses = torch.tensor([[5, 6, 7, pad, pad, pad], [8, pad, pad, pad, pad, pad]])
+    response_mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0]])
+    batch = Batch({"input_ids": torch.cat([prompt_ids, responses], 1),
+                   "attention_mask": torch.cat([prompt_mask, response_mask], 1),
+                   "responses": responses, "response_mask": response_mask}, {})
+    seen: list[int] = []
+    hook = model.register_forward_pre_hook(lambda _m, _a, kw: seen.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    with torch.no_grad():
+        trimmed = response_logits(model, batch, 1.0)
+    hook.remove()
+    assert trimmed.shape == (2, 6, len(tokenizer)) and seen == [enc.input_ids.shape[1] + 3]
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    full = full[:, -7:-1]
+    real = response_mask.bool()
+    assert float((trimmed - full)[real].abs().max()) <= 1e-5
+    assert bool((trimmed[~real.any(0).expand(2, -1)] == 0).all())  # past the longest response: zeros
