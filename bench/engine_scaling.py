@@ -58,7 +58,9 @@ def model_dir(work: Path, name: str) -> Path:
 
 
 def start(model: Path, run_id: str, world_size: int, completions: int) -> Engine:
-    actor = ActorConfig(lr=2e-4, mini_batch_size=completions, micro_batch_size=max(64, completions // world_size))
+    # rlflow's settings for W2 in bench/vs_trl.py: micro-batches of 64 rows for the passes, one generate
+    # call per rank.
+    actor = ActorConfig(lr=2e-4, mini_batch_size=completions, micro_batch_size=64)
     rollout = RolloutConfig(n=N, max_new_tokens=MAX_NEW, micro_batch_size=max(64, completions // world_size))
     spec = EngineSpec(run_id=run_id, config_hash=run_id, world_size=world_size, num_cpus_per_rank=2 / world_size,
                       policy=PolicySpec(model_path=str(model), tokenizer_path=str(model), use_ref=False,
