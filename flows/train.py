@@ -180,18 +180,63 @@ def run_with_restarts(trainer: Trainer, engine: Engine, iteration: int) -> Engin
     """Run iteration k; when an engine rank died (or the engine is at the wrong version), restart it,
     restore and replay per the recovery contract, and run k again: its finished stages are reused."""
     restarts = trainer.cfg.trainer.max_engine_restarts
-    for attempt in range(restarts + 1):
+    attempt = api_outages = 0
+    while True:
         try:
             run_iteration(trainer, iteration)
             return engine
         except (EngineDeadError, VersionMismatchError) as err:
             if attempt == restarts:
                 raise
+            attempt += 1
             get_run_logger().warning("iteration %d: the engine failed (%s); restart %d of %d",
-                                     iteration, str(err).splitlines()[0], attempt + 1, restarts)
+                                     iteration, str(err).splitlines()[0], attempt, restarts)
             engine.stop()
             engine, _ = reconcile(trainer)
-    return engine
+        except Exception as err:
+            # The Prefect API went away (a server restart) while the iteration created a flow or task
+            # run: wait for it, then run the iteration again; its finished stages are reused from storage
+            # and an update the engine already has is not applied twice.
+            if not _api_unreachable(err) or api_outages == _API_OUTAGES:
+                raise
+            api_outages += 1
+            log.warning("iteration %d: the Prefect API is unreachable (%s); waiting for it, then running "
+                        "the iteration again", iteration, type(err).__name__)
+            _wait_for_api(_API_WAIT_S)
+
+
+_API_OUTAGES = 3  # per iteration
+_API_WAIT_S = 300.0
+
+
+def _api_unreachable(err: BaseException) -> bool:
+    """Whether `err` (or what caused it) is a failed connection to the Prefect API."""
+    import httpx
+
+    seen: set[int] = set()
+    cur: BaseException | None = err
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, (httpx.TransportError, ConnectionError)):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def _wait_for_api(timeout_s: float) -> None:
+    import httpx
+    from prefect.settings import PREFECT_API_URL
+
+    url = f"{PREFECT_API_URL.value()}/health"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"the Prefect API at {url} did not come back within {timeout_s:.0f} s")
 
 
 def run_iteration(trainer: Trainer, iteration: int) -> dict[str, float]:
