@@ -156,7 +156,12 @@ def train(config_path: str | None = None, overrides: list[str] | None = None, re
         with _graceful_stop(trainer):
             for iteration in range(first, last + 1):
                 engine = run_with_restarts(trainer, engine, iteration)
-                progress.update(iteration)
+                try:
+                    progress.update(iteration)
+                except Exception as err:  # the artifact is a UI nicety: an API restart must not end the run
+                    if not _api_unreachable(err):
+                        raise
+                    log.warning("iteration %d: progress artifact not updated (Prefect API unreachable)", iteration)
                 if trainer.stop_requested:
                     logger.warning("stop requested: committing iteration %d and stopping", iteration)
                     break
