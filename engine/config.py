@@ -70,6 +70,12 @@ class OptimConfig(Section):
     ppo_epochs: int = Field(1, ge=1)
     mini_batch_size: int = Field(64, gt=0, description="sequences per optimizer step")
     micro_batch_size: int = Field(16, gt=0, description="sequences per forward/backward per rank")
+    reshard_after_forward: bool = Field(
+        True, description="FSDP2: free each layer's gathered parameters after its forward (gathered again "
+        "for the backward); false keeps them to the backward: half the all-gathers, full layers held")
+    grad_sync: Literal["micro_batch", "optimizer_step"] = Field(
+        "micro_batch", description="when FSDP2 reduce-scatters gradients: after every micro-batch (sharded "
+        "gradients held), or once per optimizer step (full gradients held between, fewer collectives)")
 
 
 class ActorConfig(OptimConfig):

@@ -9,11 +9,12 @@ T = max_new_tokens response tokens (right padded).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -44,12 +45,21 @@ class RolloutBackend(Protocol):
 
 
 class HFRollout:
-    """transformers `generate` with a KV cache on an unsharded copy of the policy (CPU or one GPU)."""
+    """Sampling with a KV cache on an unsharded transformers copy of the policy (CPU or one GPU).
+
+    Our own decode loop rather than `generate`: a row that has emitted a stop token leaves the batch
+    (its KV cache rows are dropped), so each step costs the rows still generating, not the whole batch
+    until its longest response ends. With responses of ~10 tokens and a longest of ~17 that halves the
+    generation time of a 256-row call on CPU. The sampling is `generate`'s: logits / temperature, then
+    top-k, then top-p (nucleus), then a draw; greedy takes the argmax.
+    """
 
     def __init__(self, model: PreTrainedModel, pad_token_id: int, stop_ids: list[int]) -> None:
         self.model = model.eval()
         self.pad_token_id = pad_token_id
         self.stop_ids = sorted(stop_ids)
+        # transformers 5 renames forward's `past_key_values` to `cache` (the old name warns, then goes).
+        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         # strict: a renamed or missing weight must fail here, not generate from stale values.
@@ -60,26 +70,63 @@ class HFRollout:
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams, seed: int
     ) -> RolloutOutput:
         """input_ids, attention_mask: [B, P] left padded. Returns [B, T] with T = max_new_tokens."""
-        config = GenerationConfig(
-            max_new_tokens=params.max_new_tokens,
-            do_sample=params.do_sample,
-            temperature=params.temperature if params.do_sample else None,
-            top_p=params.top_p if params.do_sample else None,
-            top_k=(params.top_k or None) if params.do_sample else None,
-            pad_token_id=self.pad_token_id,
-            eos_token_id=self.stop_ids,
-        )
-        torch.manual_seed(seed)  # sampling draws from the global generator: seed it per call
-        out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
-        responses = out[:, input_ids.shape[1] :]  # [B, T'] with T' <= T (stops when all ended)
-        responses = _pad_right(responses, params.max_new_tokens, self.pad_token_id)
+        rows, length = input_ids.shape[0], params.max_new_tokens
+        responses = input_ids.new_full((rows, length), self.pad_token_id)
+        if rows == 0:
+            return RolloutOutput(responses, torch.zeros_like(responses))
+        generator = torch.Generator(device=input_ids.device).manual_seed(seed)
+        stops = torch.tensor(self.stop_ids, dtype=input_ids.dtype, device=input_ids.device)
+        cache = DynamicCache(config=self.model.config)
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # left padding: count real tokens
+        logits = self._last_logits(input_ids, attention_mask, position_ids, cache)  # prefill
+        alive = torch.arange(rows, device=input_ids.device)  # original row of each row still generating
+        position, mask = position_ids[:, -1], attention_mask
+        for t in range(length):
+            token = sample_next(logits, params, generator)  # [alive]
+            responses[alive, t] = token
+            ended = torch.isin(token, stops)
+            if t == length - 1:
+                break
+            if bool(ended.any()):
+                keep = (~ended).nonzero().squeeze(-1)
+                if len(keep) == 0:
+                    break
+                cache.batch_select_indices(keep)  # finished rows leave the batch
+                alive, token, position, mask = alive[keep], token[keep], position[keep], mask[keep]
+            position = position + 1
+            mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=1)
+            logits = self._last_logits(token[:, None], mask, position[:, None], cache)
         return RolloutOutput(responses, response_mask_until_eos(responses, self.stop_ids))
+
+    def _last_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                     cache: DynamicCache) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
+        return out.logits[:, -1].float()  # [b, V]
 
     def sleep(self) -> None:
         """Nothing to release for an in-process transformers model."""
 
     def wake(self) -> None:
         """Nothing to restore for an in-process transformers model."""
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    """[b, V] logits -> [b] next tokens: greedy, or a draw after temperature, top-k and top-p."""
+    if not params.do_sample:
+        return logits.argmax(-1)
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # [b, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        before = probs.cumsum(-1) - probs  # mass of the tokens ranked above each one
+        drop = before >= params.top_p  # the first token is always kept (before = 0)
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def response_mask_until_eos(responses: torch.Tensor, stop_ids: list[int]) -> torch.Tensor:

@@ -75,14 +75,16 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[label], one batch row at a time (verl `logprobs_from_logits_v2`).
+    """log softmax(logits)[label] as z[label] - logsumexp(z): no [B, T, V] log-softmax is built.
 
     logits: [B, T, V], labels: LongTensor [B, T] -> logp [B, T].
-    Computed as z[label] - logsumexp(z) per row, so peak extra memory is one [T, V] row rather
-    than a full [B, T, V] log-softmax. Half-precision logits are upcast per row to float32
-    (bf16 logsumexp is inaccurate); the result dtype is float32 or wider.
+    Half-precision logits are upcast to float32 one batch row at a time (bf16 logsumexp is
+    inaccurate; verl `logprobs_from_logits_v2`), so the extra memory is one [T, V] row; float32 and
+    wider logits take one batched op. The result dtype is float32 or wider.
     """
     out_dtype = torch.promote_types(logits.dtype, torch.float32)
+    if logits.dtype == out_dtype:  # nothing to upcast: one batched op (no [B, T, V] temporary either)
+        return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     rows = []
     for row_logits, row_labels in zip(logits, labels, strict=True):  # row_logits [T, V], row_labels [T]
         row_logits = row_logits.to(out_dtype)

@@ -40,7 +40,7 @@ class CriticWorker(RankWorker):
             spec.model_path, num_labels=1, dtype=torch_dtype(spec.dtype),
             trust_remote_code=spec.trust_remote_code, local_files_only=hub_offline(),
         )
-        self.model = fsdp.shard_model(model.train())
+        self.model = fsdp.shard_model(model.train(), spec.critic.reshard_after_forward)
         self.optimizer = fsdp.build_optimizer(self.model, spec.critic)
         self.scheduler = fsdp.build_scheduler(self.optimizer, spec.critic, spec.total_iterations)
 

@@ -22,17 +22,17 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from engine.batch import Batch
 from engine.config import OptimConfig
 
 
-def shard_model(model: nn.Module) -> nn.Module:
+def shard_model(model: nn.Module, reshard_after_forward: bool = True) -> nn.Module:
     """FSDP2 per decoder layer, then the root (embeddings, final norm, head)."""
     for layer in decoder_layers(model):
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
     return model
 
 
@@ -160,11 +160,14 @@ def train_epochs(batch: Batch, *, model: nn.Module, optimizer: torch.optim.Optim
     world = dist.get_world_size() if dist.is_initialized() else 1
     mini = max(1, cfg.mini_batch_size // world)  # rows of this rank per optimizer step
     stats: dict[str, list[torch.Tensor]] = {}
+    once = cfg.grad_sync == "optimizer_step"
     for _ in range(cfg.ppo_epochs):
         for minibatch in batch.shuffle(generator).chunks(mini):
             micros = by_length(minibatch).chunks(cfg.micro_batch_size)
             step: dict[str, torch.Tensor] = {}
-            for micro, weight in zip(micros, micro_weights(micros, loss_agg_mode)):
+            for i, (micro, weight) in enumerate(zip(micros, micro_weights(micros, loss_agg_mode))):
+                if once and isinstance(model, FSDPModule):  # reduce-scatter with the last micro-batch only
+                    model.set_requires_gradient_sync(i == len(micros) - 1)
                 loss, micro_stats = micro_loss(micro)
                 (loss * weight).backward()  # gradient accumulation, weighted to the global mini-batch
                 if after_backward is not None:

@@ -59,7 +59,7 @@ class PolicyWorker(RankWorker):
         self.tokenizer = load_tokenizer(spec.tokenizer_path, trust_remote_code=spec.trust_remote_code)
         base = load_model(spec.model_path, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code)
         self.rollout_model = copy.deepcopy(base)  # unsharded, generation only
-        self.actor = fsdp.shard_model(base.train())
+        self.actor = fsdp.shard_model(base.train(), spec.actor.reshard_after_forward)
         self.optimizer = fsdp.build_optimizer(self.actor, spec.actor)
         self.scheduler = fsdp.build_scheduler(self.optimizer, spec.actor, spec.total_iterations)
         self.ref: nn.Module | None = None
@@ -160,9 +160,10 @@ class PolicyWorker(RankWorker):
             clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c,
             loss_agg_mode=cfg.loss_agg_mode,
         )
-        entropy = algos.agg_loss(loss_mat=algos.entropy_from_logits(logits), loss_mask=mask,
-                                 loss_agg_mode=cfg.loss_agg_mode)
-        loss = pg_loss - cfg.entropy_coeff * entropy
+        with torch.set_grad_enabled(cfg.entropy_coeff > 0 and torch.is_grad_enabled()):  # else a statistic only
+            entropy = algos.agg_loss(loss_mat=algos.entropy_from_logits(logits), loss_mask=mask,
+                                     loss_agg_mode=cfg.loss_agg_mode)
+        loss = pg_loss - cfg.entropy_coeff * entropy if cfg.entropy_coeff > 0 else pg_loss
         stats = {"actor/pg_loss": pg_loss.detach(), "actor/entropy": entropy.detach(),
                  **{f"actor/{k}": v.detach() for k, v in pg_stats.items()}}
         if cfg.use_kl_loss:

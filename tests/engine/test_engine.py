@@ -323,3 +323,26 @@ def test_update_without_old_logp_equals_update_with_recomputed_old_logp(ray_addr
         assert without["actor/ppo_kl"] == 0.0
     finally:
         eng.stop()
+
+
+def test_fsdp_communication_options_give_the_same_update(ray_address: str, tiny_model_dir: Path) -> None:
+    """Gradients reduce-scattered once per optimizer step, and layers kept gathered from forward to
+    backward: fewer collectives, the same update (up to float summation order)."""
+    batch = adv = None
+    weights = []
+    for run_id, options in (("comm-default", {}),
+                            ("comm-once", {"grad_sync": "optimizer_step", "reshard_after_forward": False})):
+        eng = Engine.start(make_spec(tiny_model_dir, run_id, use_ref=False, **options))  # 2 micro-batches per rank
+        try:
+            if batch is None:
+                before = eng.policy.call("full_weights")[0]
+                batch = eng.generate(prompts(tiny_model_dir), iteration=1, expected_version=0)
+                adv = torch.linspace(-1, 1, 8).unsqueeze(1) * batch["response_mask"]
+            eng.update_actor(batch.with_tensors(adv=adv), iteration=1, expected_version=0)
+            weights.append(eng.policy.call("full_weights")[0])
+        finally:
+            eng.stop()
+    moved = max(float((weights[0][k] - before[k]).abs().max()) for k in before)
+    assert moved > 1e-4  # the update did something
+    for key in before:
+        torch.testing.assert_close(weights[1][key], weights[0][key], rtol=0, atol=1e-6)
