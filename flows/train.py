@@ -25,8 +25,8 @@ from typing import Any
 
 import ray
 from prefect import flow, get_run_logger
-from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-from prefect_ray import RayTaskRunner
+from prefect.context import SettingsContext
+from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY
 from prefect_ray.context import remote_options
 
 from engine.advantage import make_kl_controller
@@ -42,6 +42,7 @@ from infra.buffers import load_ref
 from infra.checkpoints import CheckpointStore
 from tasks.context import RunPlan, context
 from tasks.faults import maybe_kill_flow
+from tasks.runner import StageTaskRunner
 from tasks.stages import (
     StageResult,
     compute_advantages,
@@ -70,7 +71,7 @@ def stage_options() -> Any:
     return remote_options(num_cpus=0, resources={STAGE_RESOURCE: 1})
 
 
-@flow(name="rl-iteration", flow_run_name="iter-{iteration:06d}", persist_result=True, task_runner=RayTaskRunner())
+@flow(name="rl-iteration", flow_run_name="iter-{iteration:06d}", persist_result=True, task_runner=StageTaskRunner())
 def rl_iteration(plan: RunPlan, iteration: int, kl_coef: float) -> dict[str, float]:
     """One RL iteration: every stage a task on Ray; returns the iteration's metrics."""
     start = time.perf_counter()
@@ -119,6 +120,17 @@ class Trainer:
     loggers: Any
     history: list[dict[str, Any]] = field(default_factory=list)
     stop_requested: bool = False
+    _subflow_settings: tuple[Any, Any] | None = None  # (the run's settings, the subflows' copy)
+
+    def subflow_settings(self) -> SettingsContext:
+        """The settings the iteration subflows run with: the run's, without a heartbeat. Built once (a
+        settings copy costs ~0.1 s of validation) and again only if the run's settings change."""
+        current = SettingsContext.get()
+        assert current is not None
+        if self._subflow_settings is None or self._subflow_settings[0] is not current.settings:
+            updated = current.settings.copy_with_update(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
+            self._subflow_settings = (current.settings, updated)
+        return SettingsContext(profile=current.profile, settings=self._subflow_settings[1])
 
     @property
     def plan(self) -> RunPlan:
@@ -133,7 +145,7 @@ class Trainer:
                 "config_hash": self.plan.config_hash}
 
 
-@flow(name="rlflow-train", flow_run_name="{run_name}", persist_result=True, task_runner=RayTaskRunner())
+@flow(name="rlflow-train", flow_run_name="{run_name}", persist_result=True, task_runner=StageTaskRunner())
 def train(config_path: str | None = None, overrides: list[str] | None = None, resume: str | None = None,
           run_name: str = "train", parent: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train (or resume) one run; returns a summary. Parameters are JSON-able and hold no credentials.
@@ -250,7 +262,7 @@ def run_iteration(trainer: Trainer, iteration: int) -> dict[str, float]:
     started = time.perf_counter()
     # No heartbeat thread for the per-iteration subflow (the run's flow keeps its own): Prefect joins it at
     # the subflow's end, and it sleeps in 1 s steps, so every iteration waited ~0.5 s for it.
-    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+    with trainer.subflow_settings():
         metrics = rl_iteration(plan, iteration, trainer.kl.value)
     metrics["actor/kl_coef"] = trainer.kl.value
     if "actor/reward_kl_penalty" in metrics:
