@@ -88,6 +88,9 @@ class ActorConfig(OptimConfig):
     kl_loss_coef: float = Field(0.001, ge=0)
     kl_loss_type: str = Field("k3", description="a KL estimator name: k1, abs, k2, k3")
     entropy_coeff: float = Field(0.0, ge=0)
+    share_prompts: bool = Field(
+        True, description="forward passes run each distinct prompt of a micro-batch once and its responses "
+        "on its KV cache (GRPO groups share a prompt): the same log-probs, about half the compute at n=8")
     old_log_prob: Literal["auto", "recompute"] = Field(
         "auto", description="auto: skip the separate old log-prob pass when the update is one optimizer step "
         "on the whole batch (see reuses_update_logp); recompute: always run it")

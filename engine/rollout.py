@@ -58,8 +58,7 @@ class HFRollout:
         self.model = model.eval()
         self.pad_token_id = pad_token_id
         self.stop_ids = sorted(stop_ids)
-        # transformers 5 renames forward's `past_key_values` to `cache` (the old name warns, then goes).
-        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._cache_arg = cache_argument(model)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         # strict: a renamed or missing weight must fail here, not generate from stale values.
@@ -109,6 +108,12 @@ class HFRollout:
 
     def wake(self) -> None:
         """Nothing to restore for an in-process transformers model."""
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """forward's KV-cache argument: transformers 5 renames `past_key_values` to `cache` (the old name
+    warns, then goes)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:

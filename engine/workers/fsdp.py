@@ -153,7 +153,8 @@ MicroLoss = Callable[[Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 def train_epochs(batch: Batch, *, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: OptimConfig,
                  loss_agg_mode: str, generator: torch.Generator, micro_loss: MicroLoss, grad_norm_key: str,
-                 after_backward: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
+                 after_backward: Callable[[], None] | None = None, group_prompts: bool = False
+                 ) -> dict[str, torch.Tensor]:
     """PPO epochs over this rank's shard: shuffled mini-batches (one optimizer step each) of
     micro-batches whose gradients accumulate with global weights (see micro_weights). Returns the
     mean of every stat over the optimizer steps (this rank's view; all_reduce_mean averages ranks)."""
@@ -163,7 +164,7 @@ def train_epochs(batch: Batch, *, model: nn.Module, optimizer: torch.optim.Optim
     once = cfg.grad_sync == "optimizer_step"
     for _ in range(cfg.ppo_epochs):
         for minibatch in batch.shuffle(generator).chunks(mini):
-            micros = by_length(minibatch).chunks(cfg.micro_batch_size)
+            micros = by_length(minibatch, group_prompts).chunks(cfg.micro_batch_size)
             step: dict[str, torch.Tensor] = {}
             for i, (micro, weight) in enumerate(zip(micros, micro_weights(micros, loss_agg_mode))):
                 if once and isinstance(model, FSDPModule):  # reduce-scatter with the last micro-batch only
@@ -184,14 +185,28 @@ def train_epochs(batch: Batch, *, model: nn.Module, optimizer: torch.optim.Optim
     return {k: torch.stack(v).mean() for k, v in stats.items()}
 
 
-def by_length(batch: Batch) -> Batch:
-    """The rows sorted by response length (stable), so that each micro-batch's padding is short:
-    the forward pass leaves out what is padding in all its rows (policy.response_logits). Micro-batch
-    gradients add up with global weights (micro_weights), so the grouping does not change the update."""
+def by_length(batch: Batch, group_prompts: bool = False) -> Batch:
+    """The rows reordered so that each micro-batch's padding is short (see `length_order`): the forward
+    pass leaves out what is padding in all its rows (policy.response_logits). Micro-batch gradients add
+    up with global weights (micro_weights), so the grouping does not change the update."""
     if "response_mask" not in batch:
         return batch
-    order = torch.argsort(batch["response_mask"].sum(-1), stable=True)
-    return batch.index(order.tolist())
+    return batch.index(length_order(batch, group_prompts).tolist())
+
+
+def length_order(batch: Batch, group_prompts: bool) -> torch.Tensor:
+    """Row order by response length (stable). With `group_prompts`, rows with the same prompt stay
+    together, groups ordered by their longest response, so that a micro-batch holds whole groups whose
+    prompt runs once (policy.response_logits)."""
+    lengths = batch["response_mask"].sum(-1)
+    if not group_prompts or len(lengths) == 0:
+        return torch.argsort(lengths, stable=True)
+    t = batch["responses"].shape[1]
+    _, group = torch.unique(batch["input_ids"][:, : batch["input_ids"].shape[1] - t], dim=0, return_inverse=True)
+    longest = torch.zeros(int(group.max()) + 1, dtype=lengths.dtype).scatter_reduce(0, group, lengths, "amax")
+    span = t + 1  # lengths are 0..t
+    key = (longest[group] * (int(group.max()) + 1) + group) * span + lengths
+    return torch.argsort(key, stable=True)
 
 
 def global_sum(value: float) -> float:

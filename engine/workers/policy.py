@@ -22,12 +22,13 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel
 from torch import nn
+from transformers import DynamicCache
 
 from engine import algos
 from engine.batch import Batch
 from engine.config import ActorConfig, RolloutConfig
 from engine.models import load_model, load_tokenizer, stop_token_ids
-from engine.rollout import HFRollout, SamplingParams
+from engine.rollout import HFRollout, SamplingParams, cache_argument
 from engine.seeds import derive_seed
 from engine.workers import fsdp
 from engine.workers.base import RankWorker
@@ -117,9 +118,10 @@ class PolicyWorker(RankWorker):
     def _forward_chunks(self, model: nn.Module, batch: Batch, micro: int, entropy: bool
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         logps, ents = [], []
-        order = torch.argsort(batch["response_mask"].sum(-1), stable=True)  # short padding per chunk
+        share = self.spec.actor.share_prompts
+        order = fsdp.length_order(batch, group_prompts=share)  # short padding per chunk, groups together
         for chunk in batch.index(order.tolist()).chunks(micro):
-            logits = response_logits(model, chunk, self.spec.rollout.temperature)  # [b, T, V]
+            logits = response_logits(model, chunk, self.spec.rollout.temperature, share)  # [b, T, V]
             logps.append(algos.logprobs_from_logits(logits, chunk["responses"]))
             if entropy:
                 ents.append(algos.entropy_from_logits(logits))
@@ -136,7 +138,7 @@ class PolicyWorker(RankWorker):
         local = fsdp.train_epochs(batch, model=self.actor, optimizer=self.optimizer, cfg=self.spec.actor,
                                   loss_agg_mode=self.spec.actor.loss_agg_mode, generator=gen,
                                   micro_loss=self._micro_loss, grad_norm_key="actor/grad_norm",
-                                  after_backward=self._maybe_exit)
+                                  after_backward=self._maybe_exit, group_prompts=self.spec.actor.share_prompts)
         self.scheduler.step()
         self.version = iteration
         local["actor/lr"] = torch.tensor(self.optimizer.param_groups[0]["lr"])
@@ -149,7 +151,7 @@ class PolicyWorker(RankWorker):
     def _micro_loss(self, micro: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.spec.actor
         mask = micro["response_mask"]
-        logits = response_logits(self.actor, micro, self.spec.rollout.temperature)  # [b, T, V]
+        logits = response_logits(self.actor, micro, self.spec.rollout.temperature, cfg.share_prompts)  # [b, T, V]
         logp = algos.logprobs_from_logits(logits, micro["responses"])
         policy_loss = algos.get_policy_loss(cfg.policy_loss)
         pg_loss, pg_stats = policy_loss(
@@ -237,7 +239,7 @@ class PolicyWorker(RankWorker):
         return digest.hexdigest()
 
 
-def response_logits(model: nn.Module, batch: Batch, temperature: float) -> torch.Tensor:
+def response_logits(model: nn.Module, batch: Batch, temperature: float, share_prompts: bool = True) -> torch.Tensor:
     """Logits that score each response token: [B, P+T] inputs -> [B, T, V], divided by the sampling
     temperature so log-probs match the distribution the rollout sampled from (as verl does).
 
@@ -245,10 +247,19 @@ def response_logits(model: nn.Module, batch: Batch, temperature: float) -> torch
     and the responses' tail past the longest response of `batch` (a micro-batch). Real tokens get the
     same logits (their positions count real tokens, pads are masked keys); the positions past the
     longest response get zeros, which every loss and statistic masks out.
+
+    `share_prompts`: rows with the same prompt (a GRPO group) share one forward pass of it; see
+    `_shared_prompt_logits`.
     """
     input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
     t = batch["responses"].shape[1]
     keep = max(1, int(batch["response_mask"].sum(-1).max())) if t else 0
+    if share_prompts and t:
+        prompts = input_ids[:, : input_ids.shape[1] - t]
+        unique, inverse = torch.unique(prompts, dim=0, return_inverse=True)
+        if len(unique) < len(prompts):
+            out = _shared_prompt_logits(model, batch, unique, inverse, keep) / temperature
+            return F.pad(out, (0, 0, 0, t - keep)) if keep < t else out
     real = attention_mask.any(0).nonzero()
     first = int(real[0]) if len(real) else 0
     end = input_ids.shape[1] - t + keep
@@ -257,3 +268,37 @@ def response_logits(model: nn.Module, batch: Batch, temperature: float) -> torch
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     out = logits[:, -keep - 1 : -1].float() / temperature  # position j predicts token j+1
     return F.pad(out, (0, 0, 0, t - keep)) if keep < t else out
+
+
+def _shared_prompt_logits(model: nn.Module, batch: Batch, unique: torch.Tensor, inverse: torch.Tensor,
+                          keep: int) -> torch.Tensor:
+    """[B, keep, V] float logits, each distinct prompt run once: its KV cache (with its autograd graph)
+    is repeated for the rows that share it, and the responses run on top of it.
+
+    The same attention as one padded forward (each response token sees its prompt's real tokens and
+    the response before it, at the same positions), so the same logits up to float rounding; with
+    GRPO's 8 responses per prompt and prompts longer than responses, about half the compute. The
+    backward sums each prompt's gradient over its rows, as the padded forward does.
+    """
+    rows, t = batch["responses"].shape
+    p = batch["input_ids"].shape[1] - t
+    prompt_mask = batch["attention_mask"][:, :p]
+    first_row = torch.full((len(unique),), rows).scatter_reduce(0, inverse, torch.arange(rows), "amin")
+    mask = prompt_mask[first_row]  # [U, P]
+    real = mask.any(0).nonzero()
+    start = int(real[0]) if len(real) else 0
+    ids, mask = unique[:, start:], mask[:, start:]  # the left padding every prompt has: left out
+    cache = DynamicCache(config=getattr(model, "config", None))
+    kwargs = {cache_argument(model): cache}
+    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                use_cache=True, logits_to_keep=1, **kwargs)
+    first = out.logits[:, -1:].float()[inverse]  # [B, 1, V]: the prompt's last position predicts token 0
+    if keep == 1:
+        return first
+    cache.batch_select_indices(inverse)  # [U, ...] -> [B, ...], differentiable (an index)
+    ids = batch["responses"][:, : keep - 1]  # token j (j < keep-1) predicts token j+1
+    full_mask = torch.cat([mask[inverse], batch["response_mask"][:, : keep - 1]], dim=1)
+    positions = mask.sum(-1)[inverse].unsqueeze(1) + torch.arange(keep - 1).unsqueeze(0)
+    rest = model(input_ids=ids, attention_mask=full_mask, position_ids=positions, use_cache=True, **kwargs).logits
+    return torch.cat([first, rest.float()], dim=1)
+

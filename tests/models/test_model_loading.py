@@ -207,3 +207,61 @@ def test_response_logits_skips_all_pad_columns_and_keeps_real_token_logits(tiny_
     real = response_mask.bool()
     assert float((trimmed - full)[real].abs().max()) <= 1e-5
     assert bool((trimmed[~real.any(0).expand(2, -1)] == 0).all())  # past the longest response: zeros
+
+
+def test_shared_prompt_forward_equals_the_padded_forward_with_gradients(tiny_dir: Path) -> None:
+    """Rows with the same prompt share one prompt pass (its KV cache repeated per row): the same logits
+    and the same gradients as one padded forward of every row."""
+    from engine.batch import Batch
+    from engine.workers.policy import response_logits
+
+    model, tokenizer = load_model_and_tokenizer(ModelConfig(path=str(tiny_dir)), task="arith")
+    texts = ["12+3=", "1+2=", "123+45="]
+    enc = encode_prompts(tokenizer, [[{"role": "user", "content": t}] for t in texts])
+    which = [0, 1, 0, 2, 1, 0, 1]  # 3 distinct prompts over 7 rows, in mixed order
+    pad = tokenizer.pad_token_id
+    lengths = [3, 1, 5, 2, 4, 1, 5]
+    responses = torch.full((7, 6), pad)
+    for i, n in enumerate(lengths):
+        responses[i, :n] = torch.randint(3, 20, (n,), generator=torch.Generator().manual_seed(i))
+    response_mask = (torch.arange(6)[None] < torch.tensor(lengths)[:, None]).long()
+    batch = Batch({"input_ids": torch.cat([enc.input_ids[which], responses], 1),
+                   "attention_mask": torch.cat([enc.attention_mask[which], response_mask], 1),
+                   "responses": responses, "response_mask": response_mask}, {})
+    model.train()
+    results = {}
+    for share in (False, True):
+        seen: list[tuple[int, int]] = []
+        hook = model.register_forward_pre_hook(lambda _m, _a, kw, seen=seen: seen.append(tuple(kw["input_ids"].shape)),
+                                               with_kwargs=True)
+        model.zero_grad()
+        logits = response_logits(model, batch, 0.7, share_prompts=share)
+        (logits.logsumexp(-1) * response_mask).sum().backward()
+        hook.remove()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[share] = (logits.detach(), grads, seen)
+    (plain, plain_grads, plain_seen), (shared, shared_grads, shared_seen) = results[False], results[True]
+    assert len(plain_seen) == 1 and plain_seen[0][0] == 7
+    assert [s[0] for s in shared_seen] == [3, 7]  # each prompt once, then the 7 responses on its cache
+    assert shared_seen[1][1] == max(lengths) - 1
+    real = response_mask.bool()
+    assert float((shared - plain)[real].abs().max()) <= 1e-5
+    assert bool((shared[~real.any(0).expand(7, -1)] == 0).all())
+    assert plain_grads.keys() == shared_grads.keys()
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-5)
+
+
+def test_length_order_keeps_prompt_groups_together() -> None:
+    from engine.batch import Batch
+    from engine.workers.fsdp import length_order
+
+    prompts = torch.tensor([[1, 2], [3, 4], [1, 2], [3, 4], [5, 6], [1, 2]])
+    lengths = torch.tensor([4, 1, 2, 3, 2, 1])
+    mask = (torch.arange(5)[None] < lengths[:, None]).long()
+    batch = Batch({"input_ids": torch.cat([prompts, torch.zeros(6, 5, dtype=torch.long)], 1),
+                   "attention_mask": torch.cat([torch.ones(6, 2, dtype=torch.long), mask], 1),
+                   "responses": torch.zeros(6, 5, dtype=torch.long), "response_mask": mask}, {})
+    # groups: [5,6] longest 2, [3,4] longest 3, [1,2] longest 4; within a group shortest first
+    assert length_order(batch, group_prompts=True).tolist() == [4, 1, 3, 5, 2, 0]
+    assert length_order(batch, group_prompts=False).tolist() == [1, 5, 2, 4, 3, 0]
