@@ -14,6 +14,7 @@ Shapes: B prompts or responses, P prompt tokens (after padding), T response toke
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections.abc import Iterable, Sequence
@@ -243,6 +244,17 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt]
             input_ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
             attention_mask[row, width - len(seq) :] = 1
     return EncodedPrompts(input_ids=input_ids, attention_mask=attention_mask)
+
+
+def positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of left-padded rows: each real token's index among its row's real tokens (pads 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """forward's KV-cache argument: transformers 5 renames `past_key_values` to `cache` (the old name
+    warns, then goes)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None = None) -> set[int]:

@@ -9,12 +9,13 @@ T = max_new_tokens response tokens (right padded).
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+
+from engine.models import cache_argument, positions
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ class HFRollout:
         generator = torch.Generator(device=input_ids.device).manual_seed(seed)
         stops = torch.tensor(self.stop_ids, dtype=input_ids.dtype, device=input_ids.device)
         cache = DynamicCache(config=self.model.config)
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # left padding: count real tokens
+        position_ids = positions(attention_mask)
         logits = self._last_logits(input_ids, attention_mask, position_ids, cache)  # prefill
         alive = torch.arange(rows, device=input_ids.device)  # original row of each row still generating
         position, mask = position_ids[:, -1], attention_mask
@@ -110,12 +111,6 @@ class HFRollout:
         """Nothing to restore for an in-process transformers model."""
 
 
-def cache_argument(model: torch.nn.Module) -> str:
-    """forward's KV-cache argument: transformers 5 renames `past_key_values` to `cache` (the old name
-    warns, then goes)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
     """[b, V] logits -> [b] next tokens: greedy, or a draw after temperature, top-k and top-p."""
     if not params.do_sample:
@@ -139,10 +134,3 @@ def response_mask_until_eos(responses: torch.Tensor, stop_ids: list[int]) -> tor
     is_eos = torch.isin(responses, torch.tensor(stop_ids, dtype=responses.dtype)).long()
     eos_before = torch.cumsum(is_eos, dim=1) - is_eos  # eos tokens strictly before position t
     return (eos_before == 0).long()
-
-
-def _pad_right(x: torch.Tensor, length: int, value: int) -> torch.Tensor:
-    if x.shape[1] >= length:
-        return x[:, :length]
-    pad = x.new_full((x.shape[0], length - x.shape[1]), value)
-    return torch.cat([x, pad], dim=1)

@@ -12,7 +12,7 @@ from transformers import AutoModelForTokenClassification
 from engine import algos
 from engine.batch import Batch
 from engine.config import CriticConfig
-from engine.models import hub_offline, torch_dtype
+from engine.models import hub_offline, positions, torch_dtype
 from engine.seeds import derive_seed
 from engine.workers import fsdp
 from engine.workers.base import RankWorker
@@ -87,7 +87,7 @@ class CriticWorker(RankWorker):
 def response_values(model: nn.Module, batch: Batch) -> torch.Tensor:
     """[B, P+T] inputs -> values [B, T]: the output at position j values the state that emits token j+1."""
     attention_mask = batch["attention_mask"]
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    position_ids = positions(attention_mask)
     t = batch["responses"].shape[1]
     out = model(input_ids=batch["input_ids"], attention_mask=attention_mask, position_ids=position_ids).logits
     return out[:, -t - 1 : -1, 0].float()  # [B, P+T, 1] -> [B, T]

@@ -201,12 +201,19 @@ def length_order(batch: Batch, group_prompts: bool) -> torch.Tensor:
     lengths = batch["response_mask"].sum(-1)
     if not group_prompts or len(lengths) == 0:
         return torch.argsort(lengths, stable=True)
-    t = batch["responses"].shape[1]
-    _, group = torch.unique(batch["input_ids"][:, : batch["input_ids"].shape[1] - t], dim=0, return_inverse=True)
-    longest = torch.zeros(int(group.max()) + 1, dtype=lengths.dtype).scatter_reduce(0, group, lengths, "amax")
-    span = t + 1  # lengths are 0..t
-    key = (longest[group] * (int(group.max()) + 1) + group) * span + lengths
+    unique, group = prompt_groups(batch)
+    longest = torch.zeros(len(unique), dtype=lengths.dtype).scatter_reduce(0, group, lengths, "amax")
+    span = batch["responses"].shape[1] + 1  # lengths are 0..T
+    key = (longest[group] * len(unique) + group) * span + lengths
     return torch.argsort(key, stable=True)
+
+
+def prompt_groups(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the distinct prompts [U, P] of `batch`'s rows, each row's index into them [B]): rows answering
+    the same prompt (a GRPO group) share an index. The prompt is `input_ids` before the responses."""
+    t = batch["responses"].shape[1]
+    prompts = batch["input_ids"][:, : batch["input_ids"].shape[1] - t]
+    return torch.unique(prompts, dim=0, return_inverse=True)
 
 
 def global_sum(value: float) -> float:

@@ -27,8 +27,8 @@ from transformers import DynamicCache
 from engine import algos
 from engine.batch import Batch
 from engine.config import ActorConfig, RolloutConfig
-from engine.models import load_model, load_tokenizer, stop_token_ids
-from engine.rollout import HFRollout, SamplingParams, cache_argument
+from engine.models import cache_argument, load_model, load_tokenizer, positions, stop_token_ids
+from engine.rollout import HFRollout, SamplingParams
 from engine.seeds import derive_seed
 from engine.workers import fsdp
 from engine.workers.base import RankWorker
@@ -254,19 +254,16 @@ def response_logits(model: nn.Module, batch: Batch, temperature: float, share_pr
     input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
     t = batch["responses"].shape[1]
     keep = max(1, int(batch["response_mask"].sum(-1).max())) if t else 0
-    if share_prompts and t:
-        prompts = input_ids[:, : input_ids.shape[1] - t]
-        unique, inverse = torch.unique(prompts, dim=0, return_inverse=True)
-        if len(unique) < len(prompts):
-            out = _shared_prompt_logits(model, batch, unique, inverse, keep) / temperature
-            return F.pad(out, (0, 0, 0, t - keep)) if keep < t else out
-    real = attention_mask.any(0).nonzero()
-    first = int(real[0]) if len(real) else 0
-    end = input_ids.shape[1] - t + keep
-    input_ids, attention_mask = input_ids[:, first:end], attention_mask[:, first:end]
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: count real tokens
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    out = logits[:, -keep - 1 : -1].float() / temperature  # position j predicts token j+1
+    groups = fsdp.prompt_groups(batch) if share_prompts and t else None
+    if groups is not None and len(groups[0]) < len(groups[1]):  # some rows share a prompt
+        out = _shared_prompt_logits(model, batch, *groups, keep)
+    else:
+        first = _first_real_column(attention_mask)
+        end = input_ids.shape[1] - t + keep
+        input_ids, attention_mask = input_ids[:, first:end], attention_mask[:, first:end]
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions(attention_mask)).logits
+        out = logits[:, -keep - 1 : -1].float()  # position j predicts token j+1
+    out = out / temperature
     return F.pad(out, (0, 0, 0, t - keep)) if keep < t else out
 
 
@@ -285,20 +282,24 @@ def _shared_prompt_logits(model: nn.Module, batch: Batch, unique: torch.Tensor, 
     prompt_mask = batch["attention_mask"][:, :p]
     first_row = torch.full((len(unique),), rows).scatter_reduce(0, inverse, torch.arange(rows), "amin")
     mask = prompt_mask[first_row]  # [U, P]
-    real = mask.any(0).nonzero()
-    start = int(real[0]) if len(real) else 0
+    start = _first_real_column(mask)
     ids, mask = unique[:, start:], mask[:, start:]  # the left padding every prompt has: left out
-    cache = DynamicCache(config=getattr(model, "config", None))
+    cache = DynamicCache(config=model.config)
     kwargs = {cache_argument(model): cache}
-    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                use_cache=True, logits_to_keep=1, **kwargs)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=True, logits_to_keep=1,
+                **kwargs)
     first = out.logits[:, -1:].float()[inverse]  # [B, 1, V]: the prompt's last position predicts token 0
     if keep == 1:
         return first
     cache.batch_select_indices(inverse)  # [U, ...] -> [B, ...], differentiable (an index)
     ids = batch["responses"][:, : keep - 1]  # token j (j < keep-1) predicts token j+1
     full_mask = torch.cat([mask[inverse], batch["response_mask"][:, : keep - 1]], dim=1)
-    positions = mask.sum(-1)[inverse].unsqueeze(1) + torch.arange(keep - 1).unsqueeze(0)
-    rest = model(input_ids=ids, attention_mask=full_mask, position_ids=positions, use_cache=True, **kwargs).logits
+    after_prompt = mask.sum(-1)[inverse].unsqueeze(1) + torch.arange(keep - 1).unsqueeze(0)
+    rest = model(input_ids=ids, attention_mask=full_mask, position_ids=after_prompt, use_cache=True, **kwargs).logits
     return torch.cat([first, rest.float()], dim=1)
 
+
+def _first_real_column(attention_mask: torch.Tensor) -> int:
+    """The first column that is not padding in every row (left padding all rows share ends there)."""
+    real = attention_mask.any(0).nonzero()
+    return int(real[0]) if len(real) else 0
