@@ -10,6 +10,8 @@ Columns written: `token_rewards`, `adv`, `returns` [B, T].
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from engine import algos
@@ -24,11 +26,21 @@ def make_kl_controller(cfg: AlgorithmConfig) -> algos.FixedKLController | algos.
 
 
 def compute_advantages(
-    batch: Batch, cfg: AlgorithmConfig, kl_coef: float
+    batch: Batch, cfg: AlgorithmConfig, kl_coef: float, extra_scores: Mapping[str, float] | None = None
 ) -> tuple[Batch, dict[str, float]]:
-    """(batch with token_rewards/adv/returns, metrics). `kl_coef` is the controller's current value."""
+    """(batch with token_rewards/adv/returns, metrics). `kl_coef` is the controller's current value.
+
+    extra_scores: {column: weight} of further per-response scores [B] (user stages with a reward
+    weight) added, weighted, to `token_scores` at each response's last token first; the batch's
+    `token_scores` is then the combined score."""
     mask = batch["response_mask"]
-    token_rewards = batch["token_scores"].float()
+    token_scores = batch["token_scores"].float()
+    if extra_scores:
+        last = (mask.sum(-1) - 1).clamp(min=0).unsqueeze(1)  # [B, 1]
+        for column, weight in extra_scores.items():
+            token_scores = token_scores.scatter_add(1, last, weight * batch[column].float().unsqueeze(1))
+        batch = batch.with_tensors(token_scores=token_scores)
+    token_rewards = token_scores
     metrics: dict[str, float] = {}
     if cfg.use_kl_in_reward:
         token_rewards, stats = algos.apply_kl_penalty(

@@ -7,15 +7,33 @@ checks that span sections.
 
 from __future__ import annotations
 
-from typing import Literal
+import os
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# A folder: every process appends the config fields it reads (tests/pipeline: every field is read).
+_READS_DIR = os.environ.get("RLFLOW_CONFIG_READS")
+_READ: set[str] = set()
 
 
 class Section(BaseModel):
     """Base of every config section: unknown keys are refused, values are checked on assignment."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    if _READS_DIR:
+        def __getattribute__(self, name: str) -> Any:
+            if name in type(self).model_fields:
+                _record_read(f"{type(self).__name__}.{name}")
+            return super().__getattribute__(name)
+
+
+def _record_read(key: str) -> None:
+    if key not in _READ and _READS_DIR:
+        _READ.add(key)
+        with open(os.path.join(_READS_DIR, f"reads-{os.getpid()}.txt"), "a") as f:
+            f.write(key + "\n")
 
 
 class ModelConfig(Section):
@@ -43,13 +61,14 @@ class DataConfig(Section):
     prompt_key: str = "prompt"
     max_prompt_length: int = Field(48, gt=0, description="prompts longer than this (tokens) are dropped")
     train_batch_size: int = Field(8, gt=0, description="prompts per iteration")
-    val_batch_size: int = Field(64, gt=0)
+    val_batch_size: int = Field(64, gt=0, description="validation prompts per generate call (all ranks)")
     shuffle: bool = True
     seed: int = Field(0, ge=0)
 
 
 class RolloutConfig(Section):
-    name: Literal["hf", "vllm"] = "hf"
+    name: Literal["hf", "vllm"] = Field("hf", description="the generation backend; vllm needs the GPU build, "
+                                        "which is not there yet: refused")
     n: int = Field(8, ge=1, description="responses per prompt (the group size)")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -57,6 +76,13 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(16, gt=0)
     val_do_sample: bool = Field(False, description="validation decodes greedily unless set")
     micro_batch_size: int = Field(64, gt=0, description="sequences per generate call per rank")
+
+    @field_validator("name")
+    @classmethod
+    def _built_backend(cls, v: str) -> str:
+        if v == "vllm":
+            raise ValueError("the vLLM backend needs a GPU build that is not there yet; use hf")
+        return v
 
 
 class OptimConfig(Section):
@@ -151,6 +177,17 @@ class AlgorithmConfig(Section):
     kl_coef: float = Field(0.001, ge=0)
     kl_target: float = Field(0.1, gt=0, description="adaptive controller target KL")
     kl_horizon: int = Field(10000, gt=0, description="adaptive controller horizon")
+    extra_stages: list[str] = Field(
+        default_factory=list,
+        description="your own stages, each 'module:function' or 'path/to/file.py:function' decorated with "
+        "@tasks.graph.stage(reads=..., writes=..., reward_weight=...); a list or comma-separated")
+
+    @field_validator("extra_stages", mode="before")
+    @classmethod
+    def _split_stages(cls, value: object) -> object:
+        if isinstance(value, str):  # `algorithm.extra_stages=a.py:f,b.py:g` on the command line
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
 
     @field_validator("adv_estimator")
     @classmethod

@@ -23,7 +23,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from engine.config import ModelConfig
 from engine.errors import ConfigError, RLFlowError
@@ -123,17 +131,86 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def load_model(path: str, *, dtype: str = "float32", trust_remote_code: bool = False) -> PreTrainedModel:
-    """A causal LM from a directory or hub id (see `resolve_model_path`), in eval mode."""
+    """A causal LM from a directory or hub id (see `resolve_model_path`), in eval mode, without dropout."""
+    return _load(AutoModelForCausalLM, path, dtype=dtype, trust_remote_code=trust_remote_code,
+                 what="a causal LM")
+
+
+def load_value_model(path: str, *, dtype: str = "float32", trust_remote_code: bool = False) -> PreTrainedModel:
+    """The critic: the causal LM's trunk with one output per token (transformers' token-classification
+    head, a new linear layer), in eval mode, without dropout (its head defaults to 0.1 otherwise)."""
+    return _load(AutoModelForTokenClassification, path, dtype=dtype, trust_remote_code=trust_remote_code,
+                 what="a value model (token classification)", num_labels=1)
+
+
+def _load(auto: Any, path: str, *, dtype: str, trust_remote_code: bool, what: str, **kwargs: Any
+          ) -> PreTrainedModel:
+    local = hub_offline() or Path(path).expanduser().is_dir()
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path,
-            dtype=torch_dtype(dtype),
-            trust_remote_code=trust_remote_code,
-            local_files_only=hub_offline() or Path(path).expanduser().is_dir(),
-        )
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=local,
+                                            **kwargs)
+        model = auto.from_pretrained(path, config=without_dropout(config), dtype=torch_dtype(dtype),
+                                     trust_remote_code=trust_remote_code, local_files_only=local)
     except (OSError, ValueError) as err:
-        raise ModelLoadError(f"cannot load a causal LM from {path!r}: {_first_line(err)}") from err
+        raise ModelLoadError(f"cannot load {what} from {path!r}: {_first_line(err)}") from err
+    zero_dropout(model)
     return model.eval()
+
+
+def without_dropout(config: PretrainedConfig) -> PretrainedConfig:
+    """`config` (changed in place) with every dropout probability 0, sub-configs included, and the
+    classification heads' `classifier_dropout` set (it defaults to 0.1 when absent).
+
+    RL needs deterministic forward passes in train mode: the log-probs of the update must be the
+    log-probs the ratio compares with, and the critic's values feed GAE and value clipping. verl
+    does the same (`attention_dropout: 0` and friends in its model overrides)."""
+    for cfg in _configs(config):
+        for key, value in list(vars(cfg).items()):
+            if _is_dropout_name(key) and isinstance(value, float) and not isinstance(value, bool):
+                setattr(cfg, key, 0.0)
+    config.classifier_dropout = 0.0
+    return config
+
+
+def zero_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Every `nn.Dropout*` module gets p = 0, and float attributes named like a dropout probability
+    (attention modules read `self.attention_dropout` at call time) become 0: what a config override
+    cannot reach (remote code, hard-coded rates) is caught here."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for key, value in list(vars(module).items()):
+            if _is_dropout_name(key) and isinstance(value, float):
+                setattr(module, key, 0.0)
+    return model
+
+
+def dropout_left(model: torch.nn.Module) -> list[str]:
+    """Where `model` would still drop anything: modules or config keys with a positive rate."""
+    found = [f"{name or type(model).__name__}.p={m.p}" for name, m in model.named_modules()
+             if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0]
+    for name, module in model.named_modules():
+        found += [f"{name}.{k}={v}" for k, v in vars(module).items()
+                  if _is_dropout_name(k) and isinstance(v, float) and v > 0]
+    config = getattr(model, "config", None)
+    if config is not None:
+        found += [f"config.{k}={v}" for cfg in _configs(config) for k, v in vars(cfg).items()
+                  if _is_dropout_name(k) and isinstance(v, float) and v > 0]
+    return found
+
+
+def _is_dropout_name(key: str) -> bool:
+    # attention_dropout, hidden_dropout, classifier_dropout, resid_pdrop, embd_pdrop, attn_pdrop, ...
+    return "dropout" in key or key.endswith("pdrop")
+
+
+def _configs(config: PretrainedConfig) -> list[PretrainedConfig]:
+    """`config` and its sub-configs (text_config, vision_config, ... of multimodal families)."""
+    found = [config]
+    for value in vars(config).values():
+        if isinstance(value, PretrainedConfig):
+            found += _configs(value)
+    return found
 
 
 def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:

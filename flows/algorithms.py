@@ -1,85 +1,100 @@
-"""Each algorithm is a declared list of stages with the columns each reads and writes.
+"""Each algorithm is a declared list of stages with the columns each reads and writes: the iteration's DAG.
 
 The list is built from the config and checked before launch: every column a stage reads must be
-written by an earlier stage (or be a prompt column). GRPO leaves out the critic stages; ReMax adds a
-greedy-baseline rollout; KL adds the reference log-probs.
+written by an earlier stage. GRPO leaves out the critic stages; ReMax adds a greedy-baseline rollout
+and its scoring; KL adds the reference log-probs; `algorithm.extra_stages` adds the user's own.
+`flows/train.rl_iteration` submits exactly this list: a stage's inputs are the stages that last wrote
+each column it reads (`StageSpec.sources`), and stages that call the engine run one at a time, in
+the declared order (`StageSpec.after`), because ranks must see the same calls in the same order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from engine.algos import get_adv_estimator
 from engine.errors import ConfigError
 from flows.config import RLConfig
+from tasks.graph import StageSpec, load_user_stage
 
-PROMPT_COLUMNS = ("input_ids", "attention_mask", "row_index", "data_source", "ground_truth")
-
-
-@dataclass(frozen=True)
-class Stage:
-    name: str
-    reads: tuple[str, ...]
-    writes: tuple[str, ...]
+# The prompt columns a rollout writes besides its responses (what the sampler gives, encoded).
+PROMPT_COLUMNS = ("input_ids", "attention_mask", "row_index", "group_id", "data_source", "ground_truth",
+                  "extra_info")
+SCORED = ("response_text", "data_source", "ground_truth", "extra_info")  # what a rule reward looks at
+SEQUENCES = ("input_ids", "attention_mask", "responses", "response_mask")  # what a forward pass needs
 
 
-ROLLOUT = Stage(
-    "generate_rollouts",
-    ("input_ids", "attention_mask"),
-    ("responses", "response_mask", "group_id", "prompt_ids"),
-)
-BASELINE = Stage("generate_baseline", ("input_ids", "attention_mask"), ("baseline_responses",))
-REWARD = Stage("score_rewards", ("responses", "data_source", "ground_truth"), ("token_scores",))
-BASELINE_REWARD = Stage(
-    "score_baseline", ("baseline_responses", "data_source", "ground_truth"), ("baseline_score",)
-)
-OLD_LOGP = Stage("compute_old_logprobs", ("responses", "response_mask"), ("old_logp", "entropy"))
-REF_LOGP = Stage("compute_ref_logprobs", ("responses", "response_mask"), ("ref_logp",))
-VALUES = Stage("compute_values", ("responses", "response_mask"), ("values",))
-UPDATE_CRITIC = Stage("update_critic", ("values", "returns", "response_mask"), ())
-CHECKPOINT = Stage("save_checkpoint", (), ())
-
-
-def stages_for(cfg: RLConfig) -> list[Stage]:
-    """The stage list of one iteration for this config, checked."""
+def stages_for(cfg: RLConfig) -> list[StageSpec]:
+    """The stage list of one iteration for this config, wired and checked."""
     spec = get_adv_estimator(cfg.algorithm.adv_estimator)
-    stages = [ROLLOUT]
+    stages = [StageSpec(name="generate_rollouts", task="generate_rollouts", reads=(), engine=True, buffer="rollout",
+                        writes=(*PROMPT_COLUMNS, "prompt_ids", "responses", "response_mask", "response_text"))]
+    if spec.needs_baseline:  # ReMax: one greedy response per prompt, repeated over its group
+        stages.append(StageSpec(name="generate_baseline", task="generate_baseline", reads=(), engine=True,
+                                buffer="baseline", writes=("baseline_responses", "baseline_response_mask",
+                                                           "baseline_response_text")))
+    stages.append(StageSpec(name="score_rewards", task="score_rewards", reads=(*SCORED, "response_mask"),
+                            writes=("score", "token_scores"), buffer="reward"))
     if spec.needs_baseline:
-        stages.append(BASELINE)
-    stages.append(REWARD)
-    if spec.needs_baseline:
-        stages.append(BASELINE_REWARD)
+        stages.append(StageSpec(name="score_baseline", task="score_baseline", buffer="baseline_reward",
+                                reads=("baseline_response_text", "data_source", "ground_truth", "extra_info"),
+                                writes=("baseline_score",)))
+    extra_scores = []
+    for ref in cfg.algorithm.extra_stages:
+        _, declared = load_user_stage(ref)
+        name = ref.rpartition(":")[2]
+        stages.append(StageSpec(name=name, task="user", reads=declared.reads, writes=declared.writes,
+                                buffer=name, function=ref, reward_weight=declared.reward_weight))
+        if declared.reward_weight is not None:
+            extra_scores += list(declared.writes)
     if cfg.needs_old_logp:
-        stages.append(OLD_LOGP)
+        stages.append(StageSpec(name="compute_old_logprobs", task="compute_old_logprobs", reads=SEQUENCES,
+                                writes=("old_logp", "entropy"), buffer="old_logprob", engine=True))
     if cfg.needs_ref:
-        stages.append(REF_LOGP)
+        stages.append(StageSpec(name="compute_ref_logprobs", task="compute_ref_logprobs", reads=SEQUENCES,
+                                writes=("ref_logp",), buffer="ref_logprob", engine=True))
     if cfg.critic.enable:
-        stages.append(VALUES)
-    adv_reads = ["token_scores", "response_mask", "group_id"]
-    if spec.needs_values:
-        adv_reads.append("values")
+        stages.append(StageSpec(name="compute_values", task="compute_values", reads=SEQUENCES, writes=("values",),
+                                buffer="values", engine=True))
+    # The advantage buffer holds everything the updates read, so a replay needs it alone.
+    carried = [c for c, on in (("old_logp", cfg.needs_old_logp), ("ref_logp", cfg.needs_ref),
+                               ("values", cfg.critic.enable)) if on]
+    adv_reads = [*SEQUENCES, "row_index", "group_id", "token_scores", *carried, *extra_scores]
     if spec.needs_baseline:
         adv_reads.append("baseline_score")
-    if cfg.algorithm.use_kl_in_reward:
-        adv_reads += ["old_logp", "ref_logp"]
-    stages.append(Stage("compute_advantages", tuple(adv_reads), ("token_rewards", "adv", "returns")))
+    stages.append(StageSpec(name="compute_advantages", task="compute_advantages", reads=tuple(adv_reads),
+                            writes=(*SEQUENCES, "row_index", "group_id", "token_scores", *carried,
+                                    "token_rewards", "adv", "returns"), buffer="advantage"))
     if cfg.critic.enable:
-        stages.append(UPDATE_CRITIC)
-    actor_reads = (["old_logp"] if cfg.needs_old_logp else []) + ["adv", "response_mask"]
-    actor_reads += ["ref_logp"] if cfg.actor.use_kl_loss else []
-    stages.append(Stage("update_policy", tuple(actor_reads), ()))
-    check_stages(stages)
-    return stages
+        stages.append(StageSpec(name="update_critic", task="update_critic", engine=True, writes=(),
+                                reads=(*SEQUENCES, "values", "returns")))
+    actor_reads = [*SEQUENCES, "adv", *(["old_logp"] if cfg.needs_old_logp else []),
+                   *(["ref_logp"] if cfg.actor.use_kl_loss else [])]
+    stages.append(StageSpec(name="update_policy", task="update_policy", engine=True, writes=(),
+                            reads=tuple(actor_reads)))
+    return wire(stages)
 
 
-def check_stages(stages: list[Stage]) -> None:
-    """Refuse a stage that reads a column no earlier stage wrote."""
-    written = set(PROMPT_COLUMNS)
+def wire(stages: list[StageSpec]) -> list[StageSpec]:
+    """Each stage's `sources` (the last earlier writer of every column it reads) and `after` (the
+    previous engine stage); ConfigError for a column no earlier stage writes, or a name used twice."""
+    writer: dict[str, str] = {}
+    previous_engine: str | None = None
+    wired = []
+    seen: set[str] = set()
     for stage in stages:
-        missing = [c for c in stage.reads if c not in written]
+        if stage.name in seen:
+            raise ConfigError(f"two stages are named {stage.name!r}: stage names must be unique in an iteration")
+        seen.add(stage.name)
+        missing = [c for c in stage.reads if c not in writer]
         if missing:
-            raise ConfigError(
-                f"stage {stage.name} reads {', '.join(missing)}, which no earlier stage writes "
-                f"(stages: {' -> '.join(s.name for s in stages)})"
-            )
-        written.update(stage.writes)
+            raise ConfigError(f"stage {stage.name} reads {', '.join(missing)}, which no earlier stage writes "
+                              f"(stages: {' -> '.join(s.name for s in stages)})")
+        sources: dict[str, list[str]] = {}
+        for column in stage.reads:
+            sources.setdefault(writer[column], []).append(column)
+        after = (previous_engine,) if stage.engine and previous_engine and previous_engine not in sources else ()
+        wired.append(stage.model_copy(update={"sources": {k: tuple(v) for k, v in sources.items()}, "after": after}))
+        for column in stage.writes:
+            writer[column] = stage.name
+        if stage.engine:
+            previous_engine = stage.name
+    return wired

@@ -25,6 +25,7 @@ from engine.config import (
     RefConfig,
     RewardConfig,
     RolloutConfig,
+    Section,
 )
 from engine.errors import ConfigError
 from flows.loggers import LoggerName
@@ -34,9 +35,7 @@ from tasks.faults import FaultConfig
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_grpo.yaml"
 
 
-class TrainerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
+class TrainerConfig(Section):
     project: str = "rlflow"
     run_id: str | None = Field(None, description="default: <project>-<timestamp>")
     total_iterations: int = Field(20, gt=0)

@@ -196,7 +196,7 @@ def open_run(cfg: RLConfig, run_id: str, *, resume: bool, parent: dict[str, Any]
         tokenizer_path=inputs.tokenizer_path, train_files=list(train.sources),
         val_files=list(val.sources) if val is not None else [],
         engine=inputs.engine, data=cfg.data, rollout=cfg.rollout,
-        algorithm=cfg.algorithm, reward=cfg.reward,
+        algorithm=cfg.algorithm, reward=cfg.reward, stages=stages_for(cfg),
         # An absolute root: the stages run in Ray workers whose working directory is not this one.
         storage=cfg.storage.model_copy(update={"access_key_id": None, "secret_access_key": None,
                                                "root": inputs.store.url()}),
@@ -207,12 +207,14 @@ def open_run(cfg: RLConfig, run_id: str, *, resume: bool, parent: dict[str, Any]
 
 def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str) -> EngineSpec:
     """The engine of this run: policy (+ ref when a KL term is on) and, for PPO, a critic."""
-    if cfg.trainer.device == "cuda":
-        raise ConfigError("trainer.device='cuda' is not allowed yet: the GPU path is not tested; use cpu")
+    device = resolve_device(cfg.trainer.device)
+    if device != "cpu":
+        raise ConfigError(f"trainer.device={cfg.trainer.device!r} is not allowed yet: it means {device}, and "
+                          "the GPU path is not built and tested; use cpu")
     threads = max(1, (os.cpu_count() or 1) // cfg.trainer.world_size)
     policy = PolicySpec(
         model_path=model_path, tokenizer_path=tokenizer_path, dtype=cfg.model.dtype,
-        trust_remote_code=cfg.model.trust_remote_code, rollout=cfg.rollout, actor=cfg.actor,
+        trust_remote_code=cfg.model.trust_remote_code, rollout=cfg.rollout, actor=cfg.actor, ref=cfg.ref,
         use_ref=cfg.needs_ref, total_iterations=cfg.trainer.total_iterations, seed=cfg.trainer.seed,
     )
     critic = None
@@ -220,13 +222,23 @@ def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str
         critic = CriticSpec(
             model_path=cfg.critic.model_path or model_path, dtype=cfg.model.dtype,
             trust_remote_code=cfg.model.trust_remote_code, critic=cfg.critic,
-            total_iterations=cfg.trainer.total_iterations, seed=cfg.trainer.seed,
+            max_response_length=cfg.rollout.max_new_tokens, total_iterations=cfg.trainer.total_iterations,
+            seed=cfg.trainer.seed,
         )
     return EngineSpec(
         run_id=run_id, config_hash=cfg.config_hash(), world_size=cfg.trainer.world_size,
         num_cpus_per_rank=float(threads), placement=cfg.ray.placement, namespace=cfg.ray.namespace,
         timeout_s=cfg.trainer.stage_timeout_s, policy=policy, critic=critic,
     )
+
+
+def resolve_device(device: str) -> str:
+    """`auto`: cuda when a GPU is visible, else cpu."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def code_version() -> str:

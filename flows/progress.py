@@ -4,12 +4,36 @@ iteration. The train flow calls `notify(iteration, metrics)`; listeners are regi
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 Listener = Callable[[int, dict[str, float]], None]
+ITERATION_FLOW = "rl-iteration"
+
+
+class QuietIterations(logging.Filter):
+    """Console only, at INFO: the per-iteration flow runs' own lines (Prefect's "Beginning subflow run",
+    "View at", "Finished in state") and records marked `console=False` (the iteration line the
+    progress display already shows) stay out; the Prefect UI gets them all, `--log-level DEBUG` too."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "console", True) is False or getattr(record, "flow_name", None) == ITERATION_FLOW:
+            return False
+        return not (record.getMessage().startswith("Beginning subflow run")
+                    and f"for flow {ITERATION_FLOW!r}" in record.getMessage())
+
+
+def quiet_console() -> None:
+    """Add QuietIterations to the console handlers (stream handlers: Prefect's console handler or the
+    CLI's own; Prefect's API handler is not one) of the root and Prefect's run loggers."""
+    for name in ("", "prefect", "prefect.flow_runs", "prefect.task_runs"):
+        for handler in logging.getLogger(name).handlers:
+            if isinstance(handler, logging.StreamHandler) and not any(
+                    isinstance(f, QuietIterations) for f in handler.filters):
+                handler.addFilter(QuietIterations())
 _LISTENERS: list[Listener] = []
 
 

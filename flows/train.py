@@ -30,11 +30,9 @@ from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY
 from prefect_ray.context import remote_options
 
 from engine.advantage import make_kl_controller
-from engine.algos import get_adv_estimator
 from engine.engine import Engine
 from engine.errors import EngineDeadError, VersionMismatchError
 from flows import progress, report
-from flows.algorithms import stages_for
 from flows.config import RLConfig
 from flows.loggers import MetricLoggers, require_packages, run_log_dir
 from flows.plan import OpenRun, open_run, resolve_config
@@ -43,19 +41,7 @@ from infra.checkpoints import CheckpointStore
 from tasks.context import RunPlan, context
 from tasks.faults import maybe_kill_flow
 from tasks.runner import StageTaskRunner
-from tasks.stages import (
-    StageResult,
-    compute_advantages,
-    compute_logprobs,
-    generate_baseline,
-    generate_rollouts,
-    save_checkpoint,
-    score_baseline,
-    score_rewards,
-    update_critic,
-    update_policy,
-    validate,
-)
+from tasks.stages import StageResult, save_checkpoint, task_for, validate
 
 log = logging.getLogger("rlflow.train")
 
@@ -73,26 +59,18 @@ def stage_options() -> Any:
 
 @flow(name="rl-iteration", flow_run_name="iter-{iteration:06d}", persist_result=True, task_runner=StageTaskRunner())
 def rl_iteration(plan: RunPlan, iteration: int, kl_coef: float) -> dict[str, float]:
-    """One RL iteration: every stage a task on Ray; returns the iteration's metrics."""
+    """One RL iteration: the declared stages (flows/algorithms.py), each a task on Ray whose inputs are
+    the stages that wrote what it reads; returns the iteration's metrics."""
     start = time.perf_counter()
-    remax = get_adv_estimator(plan.algorithm.adv_estimator).needs_baseline
+    futures: dict[str, Any] = {}
     with stage_options():
-        rollout = generate_rollouts.submit(plan, iteration)
-        if plan.debug.kill_flow_after == "generate_rollouts":
-            rollout.result()
-            maybe_kill_flow(context(plan), "generate_rollouts", iteration)
-        baseline = generate_baseline.submit(plan, iteration, wait_for=[rollout]) if remax else None
-        reward = score_rewards.submit(plan, iteration, rollout)  # overlaps the log-probs
-        baseline_reward = score_baseline.submit(plan, iteration, baseline) if baseline is not None else None
-        logprob = compute_logprobs.submit(plan, iteration, rollout, wait_for=[baseline] if baseline else []) \
-            if plan.needs_logprob_stage else None
-        advantage = compute_advantages.submit(plan, iteration, rollout, reward, logprob, kl_coef, baseline_reward)
-        critic = update_critic.submit(plan, iteration, advantage) if plan.has_critic else None
-        policy = update_policy.submit(plan, iteration, advantage, wait_for=[critic] if critic else [])
-        futures = {name: f for name, f in (("generate_rollouts", rollout), ("generate_baseline", baseline),
-                                           ("score_rewards", reward), ("score_baseline", baseline_reward),
-                                           ("compute_logprobs", logprob), ("compute_advantages", advantage),
-                                           ("update_critic", critic), ("update_policy", policy)) if f is not None}
+        for stage in plan.stages:
+            inputs = {source: futures[source] for source in stage.inputs}
+            futures[stage.name] = task_for(stage).submit(plan, iteration, stage, inputs, kl_coef,
+                                                         wait_for=[futures[a] for a in stage.after])
+            if plan.debug.kill_flow_after == stage.name:
+                futures[stage.name].result()
+                maybe_kill_flow(context(plan), stage.name, iteration)
         results = {name: f.result() for name, f in futures.items()}
     # A stage is reused when Prefect returned its cached result, or it found its complete buffer.
     reused = sorted(n for n, f in futures.items() if f.state.name == "Cached" or results[n].reused)
@@ -158,7 +136,6 @@ def train(config_path: str | None = None, overrides: list[str] | None = None, re
     loggers = MetricLoggers.create(cfg.trainer.loggers, run_id=run_id, log_dir=str(log_dir), config=cfg.public_dict())
     trainer = Trainer(run, make_kl_controller(cfg.algorithm), loggers)
     try:
-        stages_for(cfg)  # refuses a stage that reads a column nobody writes, before launch
         engine, first = reconcile(trainer)
         last = _last_iteration(cfg, first)
         logger.info("run %s: iterations %d..%d (engine version %d)", run_id, first, last, first - 1)
@@ -277,11 +254,12 @@ def run_iteration(trainer: Trainer, iteration: int) -> dict[str, float]:
     report.iteration_table(plan.run_id, iteration, metrics)
     trainer.loggers.log(iteration, metrics)
     progress.notify(iteration, metrics)
-    get_run_logger().info(
+    get_run_logger().info(  # the console shows progress.summary_line instead
         "iter %d: reward %.3f%s  length %.1f  step %.1f s  (orchestration %.2f s)", iteration,
         metrics.get("critic/score/mean", float("nan")),
         f"  val {metrics['val/score/mean']:.3f}" if "val/score/mean" in metrics else "",
-        metrics.get("response_length/mean", float("nan")), metrics["timing_s/step"], metrics["perf/orchestration_s"])
+        metrics.get("response_length/mean", float("nan")), metrics["timing_s/step"], metrics["perf/orchestration_s"],
+        extra={"console": False})
     if iteration % cfg.trainer.save_every == 0:
         _checkpoint(trainer, iteration)
     return metrics
@@ -324,11 +302,12 @@ def replay(trainer: Trainer, iteration: int) -> None:
         raise EngineDeadError(f"cannot replay iteration {iteration} of {plan.run_id}: its advantage buffer is "
                               "missing and no later checkpoint exists")
     get_run_logger().info("replaying the updates of iteration %d from %s", iteration, ref.uri)
-    advantage = StageResult(ref=ref)
+    inputs = {"compute_advantages": StageResult(ref=ref)}
     with stage_options():
-        if plan.has_critic:
-            update_critic.submit(plan, iteration, advantage).result()
-        update_policy.submit(plan, iteration, advantage).result()
+        for stage in plan.stages:
+            if stage.task in ("update_critic", "update_policy"):  # they read the advantage buffer alone
+                assert set(stage.inputs) == {"compute_advantages"}, stage.sources
+                task_for(stage).submit(plan, iteration, stage, inputs, 0.0).result()
 
 
 def trainer_checkpoints(trainer: Trainer) -> list[int]:
@@ -395,7 +374,8 @@ def connect_ray(address: str, cfg: RLConfig) -> None:
 # workers get the path of a 0600 credentials file instead (see `credentials_file`).
 _WORKER_ENV = ("PREFECT_API_URL", "PREFECT_HOME", "PREFECT_LOGGING_LEVEL", "PREFECT_LOCAL_STORAGE_PATH",
                "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION", "RLFLOW_CACHE",
-               "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "DO_NOT_TRACK")
+               "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "DO_NOT_TRACK",
+               "RLFLOW_CONFIG_READS")
 
 
 def worker_env(cfg: RLConfig) -> dict[str, str]:

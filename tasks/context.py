@@ -25,6 +25,7 @@ from infra.config import StorageConfig
 from infra.runs import RunStore
 from infra.store import ObjectStore
 from tasks.faults import FaultConfig
+from tasks.graph import StageSpec
 
 
 class RunPlan(BaseModel):
@@ -44,25 +45,8 @@ class RunPlan(BaseModel):
     algorithm: AlgorithmConfig
     reward: RewardConfig
     storage: StorageConfig
+    stages: list[StageSpec]  # the iteration's declared graph (flows.algorithms.stages_for)
     debug: FaultConfig = FaultConfig()
-
-    @property
-    def needs_ref(self) -> bool:
-        return self.engine.policy.use_ref
-
-    @property
-    def has_critic(self) -> bool:
-        return self.engine.critic is not None
-
-    @property
-    def needs_old_logp(self) -> bool:
-        """Whether the old log-prob pass runs (see ActorConfig.reuses_update_logp)."""
-        completions = self.data.train_batch_size * self.rollout.n
-        return not self.engine.policy.actor.reuses_update_logp(completions, self.algorithm.use_kl_in_reward)
-
-    @property
-    def needs_logprob_stage(self) -> bool:
-        return self.needs_old_logp or self.needs_ref or self.has_critic
 
 
 @dataclass

@@ -24,13 +24,14 @@ from pydantic import BaseModel
 from engine.advantage import compute_advantages as advantage_math
 from engine.advantage import data_metrics
 from engine.batch import Batch
-from engine.errors import EngineDeadError, VersionMismatchError
+from engine.errors import EngineDeadError, RewardError, VersionMismatchError
 from engine.models import decode_responses
 from engine.rewards import score_batch
 from infra.buffers import BufferRef, load_ref, read_buffer, write_buffer
 from infra.errors import ObjectNotFound
 from tasks.context import RunPlan, StageContext, context
 from tasks.faults import maybe_fail, maybe_kill_rank, maybe_kill_uploader
+from tasks.graph import StageSpec, load_user_stage
 
 RETRIES = 2
 RETRY_DELAYS = [2, 10]  # seconds: a transient storage or Ray hiccup, then a longer pause
@@ -66,8 +67,9 @@ def retry_unless_engine_gone(task: Any, task_run: Any, state: Any) -> bool:
     return True
 
 
-def stage(name: str, cache: bool = True) -> Any:
-    """The decorator every stage shares: retries with backoff, a timeout, persisted cached results."""
+def stage_task(name: str, cache: bool = True) -> Any:
+    """The decorator every stage shares: retries with backoff, a timeout, persisted cached results.
+    Stages of the iteration graph are registered in TASKS under `name` (StageSpec.task)."""
     def wrap(fn: Any) -> Any:
         options: dict[str, Any] = {"name": name, "retries": RETRIES, "retry_delay_seconds": RETRY_DELAYS,
                                    "retry_condition_fn": retry_unless_engine_gone, "persist_result": True,
@@ -76,37 +78,79 @@ def stage(name: str, cache: bool = True) -> Any:
             options["cache_key_fn"] = stage_cache_key
         else:
             options["cache_policy"] = None
-        return task(**options)(fn)
+        TASKS[name] = task(**options)(fn)
+        return TASKS[name]
     return wrap
 
 
-def _reuse(ctx: StageContext, iteration: int, name: str) -> StageResult | None:
+TASKS: dict[str, Any] = {}
+
+
+def task_for(stage: StageSpec) -> Any:
+    """The Prefect task that runs `stage`, named as the stage (a user stage's task takes its name)."""
+    found = TASKS[stage.task]
+    return found if found.name == stage.name else found.with_options(name=stage.name)
+
+
+def _reuse(ctx: StageContext, iteration: int, stage: StageSpec) -> StageResult | None:
     """The complete buffer a previous attempt left, with the metrics it recorded; None if absent."""
-    ref = load_ref(ctx.store, ctx.plan.run_id, iteration, name)
+    assert stage.buffer is not None
+    ref = load_ref(ctx.store, ctx.plan.run_id, iteration, stage.buffer)
     if ref is None:
         return None
     batch = read_buffer(ctx.store, ref)  # verifies the content hash
-    get_run_logger().info("iteration %d: reusing the %s buffer %s", iteration, name, ref.uri)
+    get_run_logger().info("iteration %d: reusing the %s buffer %s", iteration, stage.buffer, ref.uri)
     return StageResult(ref=ref, metrics=dict(batch.meta.get("metrics", {})), reused=True)
 
 
-def _write(ctx: StageContext, iteration: int, name: str, batch: Batch, metrics: dict[str, float]) -> StageResult:
+def _inputs(ctx: StageContext, stage: StageSpec, inputs: dict[str, StageResult]) -> Batch:
+    """The Batch of the stage's declared reads, each column from the stage that wrote it last: a stage
+    sees nothing it did not declare."""
+    parts = []
+    for source, columns in stage.sources.items():
+        ref = inputs[source].ref
+        if ref is None:
+            raise RuntimeError(f"stage {stage.name}: its input {source} wrote no buffer")
+        parts.append(read_buffer(ctx.store, ref).select(*columns))
+    return _merge(parts) if parts else Batch({}, {})
+
+
+def _write(ctx: StageContext, iteration: int, stage: StageSpec, batch: Batch, metrics: dict[str, float]
+           ) -> StageResult:
+    """The stage's buffer, which holds exactly its declared writes (the declared graph is the run one)."""
+    if set(batch.keys()) != set(stage.writes):
+        raise RuntimeError(f"stage {stage.name} produced columns {sorted(batch.keys())}, its declaration says "
+                           f"{sorted(stage.writes)}")
+    assert stage.buffer is not None
     start = time.perf_counter()
-    ref = write_buffer(ctx.store, ctx.plan.run_id, iteration, name, batch.with_meta(metrics=metrics))
+    ref = write_buffer(ctx.store, ctx.plan.run_id, iteration, stage.buffer, batch.with_meta(metrics=metrics))
     timings = ", ".join(f"{k.removeprefix('timing_s/')} {v:.2f} s" for k, v in metrics.items() if k.startswith("timing_s/"))
-    get_run_logger().info("iteration %d: %s buffer (%d rows) written in %.2f s; %s", iteration, name, len(batch),
-                          time.perf_counter() - start, timings or "no compute")
+    get_run_logger().info("iteration %d: %s buffer (%d rows) written in %.2f s; %s", iteration, stage.buffer,
+                          len(batch), time.perf_counter() - start, timings or "no compute")
     return StageResult(ref=ref, metrics=metrics)
 
 
+def _merge(batches: list[Batch]) -> Batch:
+    """Columns of several buffers of the same rows side by side (later buffers add columns)."""
+    merged = batches[0]
+    for other in batches[1:]:
+        merged = merged.with_tensors(**{k: v for k, v in other.tensors.items() if k not in merged})
+        merged = merged.with_columns(**{k: v for k, v in other.columns.items() if k not in merged})
+    return merged
+
+
+# Every stage of the iteration graph has this signature: the run, the iteration, its declaration, the
+# results of the stages it reads from, and the KL controller's coefficient (used by the advantages).
+
 # -- rollout ---------------------------------------------------------------------------------------
 
-@stage("generate_rollouts")
-def generate_rollouts(plan: RunPlan, iteration: int) -> StageResult:
+@stage_task("generate_rollouts")
+def generate_rollouts(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                      kl_coef: float = 0.0) -> StageResult:
     """Iteration k's prompts, n sampled responses each, from the policy at version k-1."""
     ctx = context(plan)
-    maybe_fail(ctx, "generate_rollouts", iteration)
-    if (done := _reuse(ctx, iteration, "rollout")) is not None:
+    maybe_fail(ctx, stage.name, iteration)
+    if (done := _reuse(ctx, iteration, stage)) is not None:
         return done
     prompts = ctx.prompt_batch(iteration)
     start = time.perf_counter()
@@ -116,22 +160,29 @@ def generate_rollouts(plan: RunPlan, iteration: int) -> StageResult:
     tokens = float(batch["response_mask"].sum())
     metrics = {"timing_s/gen": gen_s, "perf/gen_tokens": tokens, "perf/gen_tokens_per_s": tokens / gen_s}
     get_run_logger().info("iteration %d: generated %d responses in %.2f s", iteration, len(batch), gen_s)
-    return _write(ctx, iteration, "rollout", batch.with_columns(response_text=texts), metrics)
+    return _write(ctx, iteration, stage, batch.with_columns(response_text=texts), metrics)
 
 
-@stage("generate_baseline")
-def generate_baseline(plan: RunPlan, iteration: int) -> StageResult:
-    """ReMax's baseline: one greedy response per prompt (Li et al. 2023, arXiv 2310.10505)."""
+@stage_task("generate_baseline")
+def generate_baseline(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                      kl_coef: float = 0.0) -> StageResult:
+    """ReMax's baseline (Li et al. 2023, arXiv 2310.10505): one greedy response per prompt, repeated
+    over the prompt's group so its rows line up with the rollout's."""
     ctx = context(plan)
-    if (done := _reuse(ctx, iteration, "baseline")) is not None:
+    maybe_fail(ctx, stage.name, iteration)
+    if (done := _reuse(ctx, iteration, stage)) is not None:
         return done
+    n = ctx.plan.rollout.n
     prompts = ctx.prompt_batch(iteration)
-    unique = prompts.index(list(range(0, len(prompts), ctx.plan.rollout.n)))  # one row per group
+    unique = prompts.index(list(range(0, len(prompts), n)))  # one row per group
     start = time.perf_counter()
     out = ctx.engine().generate(unique, iteration=iteration, expected_version=iteration - 1, do_sample=False)
+    seconds = time.perf_counter() - start
     texts = decode_responses(ctx.tokenizer, out["responses"])
-    batch = out.with_columns(response_text=texts)
-    return _write(ctx, iteration, "baseline", batch, {"timing_s/gen_baseline": time.perf_counter() - start})
+    batch = Batch({"baseline_responses": out["responses"].repeat_interleave(n, dim=0),
+                   "baseline_response_mask": out["response_mask"].repeat_interleave(n, dim=0)},
+                  {"baseline_response_text": [t for t in texts for _ in range(n)]})
+    return _write(ctx, iteration, stage, batch, {"timing_s/gen_baseline": seconds})
 
 
 # -- reward ----------------------------------------------------------------------------------------
@@ -145,19 +196,19 @@ def _score_chunk(sources: list[str], texts: list[str], truths: list[Any], extra:
                        row_offset=offset).scores
 
 
-def _score(ctx: StageContext, batch: Batch) -> torch.Tensor:
-    """Scores [B] of `batch["response_text"]`: in this process, or in chunks as parallel Ray tasks.
+def _score(ctx: StageContext, batch: Batch, text_key: str = "response_text") -> torch.Tensor:
+    """Scores [B] of `batch[text_key]`: in this process, or in chunks as parallel Ray tasks.
 
     One chunk is scored here: a Ray task for it would cost more than rule rewards take, and each
     extra num_cpus=0 task may start a worker process that competes with the next stage for the cores.
     """
     size = ctx.plan.reward.chunk_size
     if len(batch) <= size:
-        return torch.tensor(score_batch(batch["data_source"], batch["response_text"], batch["ground_truth"],
+        return torch.tensor(score_batch(batch["data_source"], batch[text_key], batch["ground_truth"],
                                         batch["extra_info"], cfg=ctx.plan.reward).scores, dtype=torch.float32)
     cfg = ctx.plan.reward.model_dump()
     refs = [
-        _score_chunk.remote(batch["data_source"][i:i + size], batch["response_text"][i:i + size],
+        _score_chunk.remote(batch["data_source"][i:i + size], batch[text_key][i:i + size],
                             batch["ground_truth"][i:i + size], batch["extra_info"][i:i + size], cfg, i)
         for i in range(0, len(batch), size)
     ]
@@ -165,102 +216,127 @@ def _score(ctx: StageContext, batch: Batch) -> torch.Tensor:
     return torch.tensor(scores, dtype=torch.float32)
 
 
-@stage("score_rewards")
-def score_rewards(plan: RunPlan, iteration: int, rollout: StageResult) -> StageResult:
+@stage_task("score_rewards")
+def score_rewards(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                  kl_coef: float = 0.0) -> StageResult:
     """A score per response; `token_scores` [B, T] holds it at the response's last token."""
     ctx = context(plan)
-    maybe_fail(ctx, "score_rewards", iteration)
-    if (done := _reuse(ctx, iteration, "reward")) is not None:
+    maybe_fail(ctx, stage.name, iteration)
+    if (done := _reuse(ctx, iteration, stage)) is not None:
         return done
-    assert rollout.ref is not None
-    batch = read_buffer(ctx.store, rollout.ref)
+    batch = _inputs(ctx, stage, inputs)
     start = time.perf_counter()
     score = _score(ctx, batch)
-    mask = batch["response_mask"]
-    last = (mask.sum(-1) - 1).clamp(min=0)  # index of the last response token
-    token_scores = torch.zeros(mask.shape, dtype=torch.float32).scatter(1, last.unsqueeze(1), score.unsqueeze(1))
-    out = Batch({"score": score, "token_scores": token_scores}, {})
-    return _write(ctx, iteration, "reward", out, {"timing_s/reward": time.perf_counter() - start})
+    out = Batch({"score": score, "token_scores": at_last_token(score, batch["response_mask"])}, {})
+    return _write(ctx, iteration, stage, out, {"timing_s/reward": time.perf_counter() - start})
 
 
-@stage("score_baseline")
-def score_baseline(plan: RunPlan, iteration: int, baseline: StageResult) -> StageResult:
-    """The greedy baseline's score, repeated over its group: `baseline_score` [B]."""
+@stage_task("score_baseline")
+def score_baseline(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                   kl_coef: float = 0.0) -> StageResult:
+    """The greedy baseline's score, scored once per group and repeated over it: `baseline_score` [B]."""
     ctx = context(plan)
-    if (done := _reuse(ctx, iteration, "baseline_reward")) is not None:
+    maybe_fail(ctx, stage.name, iteration)
+    if (done := _reuse(ctx, iteration, stage)) is not None:
         return done
-    assert baseline.ref is not None
-    batch = read_buffer(ctx.store, baseline.ref)
+    n = ctx.plan.rollout.n
+    batch = _inputs(ctx, stage, inputs)
     start = time.perf_counter()
-    per_prompt = _score(ctx, batch)
-    out = Batch({"baseline_score": per_prompt.repeat_interleave(ctx.plan.rollout.n)}, {})
-    return _write(ctx, iteration, "baseline_reward", out, {"timing_s/reward_baseline": time.perf_counter() - start})
+    per_prompt = _score(ctx, batch.index(list(range(0, len(batch), n))), text_key="baseline_response_text")
+    out = Batch({"baseline_score": per_prompt.repeat_interleave(n)}, {})
+    return _write(ctx, iteration, stage, out, {"timing_s/reward_baseline": time.perf_counter() - start})
+
+
+@stage_task("user")
+def run_user_stage(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                   kl_coef: float = 0.0) -> StageResult:
+    """A stage of `algorithm.extra_stages`: the user's function on its declared reads."""
+    ctx = context(plan)
+    maybe_fail(ctx, stage.name, iteration)
+    if (done := _reuse(ctx, iteration, stage)) is not None:
+        return done
+    assert stage.function is not None
+    fn, _ = load_user_stage(stage.function)
+    batch = _inputs(ctx, stage, inputs)
+    start = time.perf_counter()
+    out = fn(batch)
+    metrics = {f"timing_s/{stage.name}": time.perf_counter() - start}
+    if stage.reward_weight is not None:
+        score = out[stage.writes[0]]
+        if not isinstance(score, torch.Tensor) or score.shape != (len(batch),) or not bool(score.isfinite().all()):
+            raise RewardError(f"stage {stage.name} ({stage.function}) must return one finite score per response "
+                              f"in {stage.writes[0]!r}: a tensor of shape ({len(batch)},)")
+        metrics[f"reward/{stage.name}/mean"] = float(score.float().mean())
+    return _write(ctx, iteration, stage, out, metrics)
+
+
+def at_last_token(score: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[B] scores -> [B, T] zeros with each score at its response's last token."""
+    last = (response_mask.sum(-1) - 1).clamp(min=0)
+    return torch.zeros(response_mask.shape, dtype=torch.float32).scatter(1, last.unsqueeze(1), score.float().unsqueeze(1))
 
 
 # -- log-probs and values --------------------------------------------------------------------------
 
-@stage("compute_logprobs")
-def compute_logprobs(plan: RunPlan, iteration: int, rollout: StageResult) -> StageResult:
-    """Old log-probs (policy), ref log-probs (when a KL term is on), values (critic)."""
+def _forward_stage(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                   call: Any, timing: str) -> StageResult:
     ctx = context(plan)
-    maybe_fail(ctx, "compute_logprobs", iteration)
-    if (done := _reuse(ctx, iteration, "logprob")) is not None:
+    maybe_fail(ctx, stage.name, iteration)
+    if (done := _reuse(ctx, iteration, stage)) is not None:
         return done
-    assert rollout.ref is not None
-    batch = read_buffer(ctx.store, rollout.ref).select(
-        "input_ids", "attention_mask", "responses", "response_mask")
-    engine, metrics, tensors = ctx.engine(), {}, {}
-    if ctx.plan.needs_old_logp:
-        start = time.perf_counter()
-        tensors.update(engine.compute_log_prob(batch, expected_version=iteration - 1).tensors)
-        metrics["timing_s/old_log_prob"] = time.perf_counter() - start
-    if ctx.plan.needs_ref:
-        start = time.perf_counter()
-        tensors.update(engine.compute_ref_log_prob(batch).tensors)
-        metrics["timing_s/ref"] = time.perf_counter() - start
-    if ctx.plan.has_critic:
-        start = time.perf_counter()
-        tensors.update(engine.compute_values(batch, expected_version=iteration - 1).tensors)
-        metrics["timing_s/values"] = time.perf_counter() - start
-    return _write(ctx, iteration, "logprob", Batch(tensors, {}), metrics)
+    batch = _inputs(ctx, stage, inputs)
+    start = time.perf_counter()
+    out = call(ctx.engine(), batch)
+    return _write(ctx, iteration, stage, Batch(out.tensors, {}), {timing: time.perf_counter() - start})
+
+
+@stage_task("compute_old_logprobs")
+def compute_old_logprobs(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                         kl_coef: float = 0.0) -> StageResult:
+    """`old_logp` and `entropy` [B, T] under the policy that generated (version k-1)."""
+    return _forward_stage(plan, iteration, stage, inputs, lambda engine, batch: engine.compute_log_prob(
+        batch, expected_version=iteration - 1), "timing_s/old_log_prob")
+
+
+@stage_task("compute_ref_logprobs")
+def compute_ref_logprobs(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                         kl_coef: float = 0.0) -> StageResult:
+    """`ref_logp` [B, T] under the frozen reference policy."""
+    return _forward_stage(plan, iteration, stage, inputs, lambda engine, batch: engine.compute_ref_log_prob(batch),
+                          "timing_s/ref")
+
+
+@stage_task("compute_values")
+def compute_values(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                   kl_coef: float = 0.0) -> StageResult:
+    """`values` [B, T] of the critic at version k-1."""
+    return _forward_stage(plan, iteration, stage, inputs, lambda engine, batch: engine.compute_values(
+        batch, expected_version=iteration - 1), "timing_s/values")
 
 
 # -- advantages ------------------------------------------------------------------------------------
 
-@stage("compute_advantages")
-def compute_advantages(plan: RunPlan, iteration: int, rollout: StageResult, reward: StageResult,
-                       logprob: StageResult | None, kl_coef: float, baseline: StageResult | None = None
-                       ) -> StageResult:
+@stage_task("compute_advantages")
+def compute_advantages(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                       kl_coef: float = 0.0) -> StageResult:
     """Everything the updates need in one `advantage` buffer (what a replay reads back)."""
     ctx = context(plan)
-    if (done := _reuse(ctx, iteration, "advantage")) is not None:
+    maybe_fail(ctx, stage.name, iteration)
+    if (done := _reuse(ctx, iteration, stage)) is not None:
         return done
-    parts = [r for r in (rollout, reward, logprob, baseline) if r is not None]
-    batch = _merge([read_buffer(ctx.store, r.ref) for r in parts if r.ref is not None])
+    batch = _inputs(ctx, stage, inputs)
+    extra = {s.writes[0]: s.reward_weight for s in ctx.plan.stages if s.reward_weight is not None}
     start = time.perf_counter()
-    batch, metrics = advantage_math(batch, ctx.plan.algorithm, kl_coef)
+    batch, metrics = advantage_math(batch, ctx.plan.algorithm, kl_coef, extra_scores=extra)
     metrics["timing_s/adv"] = time.perf_counter() - start
     metrics.update(data_metrics(batch, ctx.plan.rollout.max_new_tokens))
-    train = batch.select(*[k for k in _TRAIN_COLUMNS if k in batch])
-    return _write(ctx, iteration, "advantage", train, metrics)
-
-
-_TRAIN_COLUMNS = ("input_ids", "attention_mask", "responses", "response_mask", "old_logp", "ref_logp",
-                  "values", "returns", "adv", "token_rewards", "token_scores", "row_index", "group_id")
-
-
-def _merge(batches: list[Batch]) -> Batch:
-    """Columns of several buffers of the same rows side by side (later buffers add columns)."""
-    merged = batches[0]
-    for other in batches[1:]:
-        merged = merged.with_tensors(**{k: v for k, v in other.tensors.items() if k not in merged})
-        merged = merged.with_columns(**{k: v for k, v in other.columns.items() if k not in merged})
-    return merged
+    return _write(ctx, iteration, stage, batch.select(*stage.writes), metrics)
 
 
 # -- updates ---------------------------------------------------------------------------------------
 
-def _update(ctx: StageContext, iteration: int, role: str, advantage: BufferRef) -> dict[str, float]:
+def _update(ctx: StageContext, iteration: int, role: str, stage: StageSpec, inputs: dict[str, StageResult]
+            ) -> dict[str, float]:
     """Apply iteration k's update once: the engine at version k already has it (return its record)."""
     record_key = ctx.runs.key("buffers", f"iter_{iteration:06d}", f"update_{role}.json")
     engine = ctx.engine()
@@ -274,7 +350,7 @@ def _update(ctx: StageContext, iteration: int, role: str, advantage: BufferRef) 
         raise VersionMismatchError(
             f"the {role} of run {ctx.plan.run_id!r} is at version {version}; iteration {iteration} needs "
             f"{iteration - 1} (the train flow reconciles this on its next run)")
-    batch = read_buffer(ctx.store, advantage)
+    batch = _inputs(ctx, stage, inputs)
     maybe_kill_rank(ctx, engine, role, iteration)
     start = time.perf_counter()
     if role == "critic":
@@ -288,28 +364,28 @@ def _update(ctx: StageContext, iteration: int, role: str, advantage: BufferRef) 
     return metrics
 
 
-@stage("update_critic", cache=False)
-def update_critic(plan: RunPlan, iteration: int, advantage: StageResult) -> StageResult:
+@stage_task("update_critic", cache=False)
+def update_critic(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                  kl_coef: float = 0.0) -> StageResult:
     ctx = context(plan)
-    maybe_fail(ctx, "update_critic", iteration)
-    assert advantage.ref is not None
-    return StageResult(metrics=_update(ctx, iteration, "critic", advantage.ref))
+    maybe_fail(ctx, stage.name, iteration)
+    return StageResult(metrics=_update(ctx, iteration, "critic", stage, inputs))
 
 
-@stage("update_policy", cache=False)
-def update_policy(plan: RunPlan, iteration: int, advantage: StageResult) -> StageResult:
+@stage_task("update_policy", cache=False)
+def update_policy(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                  kl_coef: float = 0.0) -> StageResult:
     """The actor update and the train-to-generate weight sync; the engine's version becomes k."""
     ctx = context(plan)
-    maybe_fail(ctx, "update_policy", iteration)
-    assert advantage.ref is not None
-    metrics = _update(ctx, iteration, "policy", advantage.ref)
+    maybe_fail(ctx, stage.name, iteration)
+    metrics = _update(ctx, iteration, "policy", stage, inputs)
     get_run_logger().info("iteration %d: policy updated (pg_loss %.4f)", iteration, metrics.get("actor/pg_loss", 0.0))
     return StageResult(metrics=metrics)
 
 
 # -- checkpoint and validation ---------------------------------------------------------------------
 
-@stage("save_checkpoint", cache=False)
+@stage_task("save_checkpoint", cache=False)
 def save_checkpoint(plan: RunPlan, iteration: int, trainer_state: dict[str, Any]) -> StageResult:
     """Sharded engine state + trainer state at step `iteration`, committed (MANIFEST, then LATEST)."""
     ctx = context(plan)
@@ -328,7 +404,7 @@ def save_checkpoint(plan: RunPlan, iteration: int, trainer_state: dict[str, Any]
     return StageResult(metrics={"timing_s/save_checkpoint": seconds})
 
 
-@stage("validate", cache=False)
+@stage_task("validate", cache=False)
 def validate(plan: RunPlan, iteration: int) -> StageResult:
     """Greedy (or sampled) responses to the validation prompts, scored: `val/score/mean` and per source."""
     ctx = context(plan)
@@ -336,8 +412,10 @@ def validate(plan: RunPlan, iteration: int) -> StageResult:
         return StageResult()
     prompts = ctx.val_batch()
     start = time.perf_counter()
-    out = ctx.engine().generate(prompts, iteration=iteration, expected_version=iteration,
-                                do_sample=ctx.plan.rollout.val_do_sample)
+    engine = ctx.engine()
+    out = Batch.concat([engine.generate(chunk, iteration=iteration, expected_version=iteration,
+                                        do_sample=ctx.plan.rollout.val_do_sample)
+                        for chunk in prompts.chunks(ctx.plan.data.val_batch_size)])
     out = out.with_columns(response_text=decode_responses(ctx.tokenizer, out["responses"]))
     score = _score(ctx, out)
     metrics = {"val/score/mean": float(score.mean()), "timing_s/validate": time.perf_counter() - start,

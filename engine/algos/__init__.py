@@ -21,7 +21,7 @@ from engine.algos.advantages import (
     remax,
     rloo,
 )
-from engine.algos.agg import LOSS_AGG_MODES, agg_loss
+from engine.algos.agg import LOSS_AGG_MODES, agg_loss, agg_units
 from engine.algos.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -65,6 +65,7 @@ __all__ = [
     "KLController",
     "PolicyLossFn",
     "agg_loss",
+    "agg_units",
     "apply_kl_penalty",
     "clipped_value_loss",
     "dr_grpo",

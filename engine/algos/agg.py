@@ -1,32 +1,47 @@
 """Loss aggregation: a [B, T] matrix of per-token losses -> one scalar.
 
-Shapes: B batch, T response tokens (the padded response length). Modes and divisors follow
-verl `agg_loss` in `verl/trainer/ppo/core_algos.py` (single process, dp_size 1). Masks are 0/1.
+Shapes: B batch, T response tokens (the padded response length). Masks are 0/1.
+
+Every mode is a ratio `numerator / units`: the numerator is a sum over sequences (of token sums or
+token means), `units` (`agg_units`) counts what the mode averages over: unmasked tokens for
+token-mean, non-empty sequences for the seq-* modes. Because the numerator is additive over rows,
+the aggregate over a global mini-batch split into micro-batches (and ranks) is recovered exactly by
+weighting each micro-batch's aggregate with `units(micro) / units(global mini-batch)`; the engine
+does that (engine/workers/fsdp.micro_weights), so the gradient does not depend on the micro-batch
+size, the last chunk's size or the world size.
+
+Divisors follow verl `agg_loss` (`verl/trainer/ppo/core_algos.py`) except Dr. GRPO's, see
+`_seq_mean_token_sum_norm`.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
 from engine.algos.masked import masked_sum
 
 
-def _token_mean(loss_mat: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+def _nonempty(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] -> [B] float: 1 for a sequence with at least one unmasked token."""
+    return (loss_mask.sum(dim=-1) > 0).to(torch.float32)
+
+
+def _token_mean(loss_mat: torch.Tensor, loss_mask: torch.Tensor, max_response_length: int | None) -> torch.Tensor:
     """Mean over every unmasked token of the batch (DAPO, Yu et al. 2025, sec. 3.3)."""
     # clamp: an all-masked batch gives 0 rather than verl's 0/0 = NaN
     return masked_sum(loss_mat, loss_mask) / loss_mask.sum().clamp_min(1)
 
 
-def _seq_mean_token_sum(loss_mat: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+def _seq_mean_token_sum(loss_mat: torch.Tensor, loss_mask: torch.Tensor, max_response_length: int | None
+                        ) -> torch.Tensor:
     """Sum over each sequence's tokens, then mean over non-empty sequences."""
     seq_losses = masked_sum(loss_mat, loss_mask, dim=-1)  # [B]
-    nonempty = (loss_mask.sum(dim=-1) > 0).to(seq_losses.dtype)  # [B]
+    nonempty = _nonempty(loss_mask).to(seq_losses.dtype)  # [B]
     return (seq_losses * nonempty).sum() / nonempty.sum().clamp_min(1)
 
 
-def _seq_mean_token_mean(loss_mat: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+def _seq_mean_token_mean(loss_mat: torch.Tensor, loss_mask: torch.Tensor, max_response_length: int | None
+                         ) -> torch.Tensor:
     """Mean over each sequence's tokens, then mean over non-empty sequences (GRPO, Shao et al. 2024, eq. 3)."""
     lengths = loss_mask.sum(dim=-1)  # [B]
     seq_losses = masked_sum(loss_mat, loss_mask, dim=-1) / (lengths + 1e-8)  # [B]; 1e-8 as verl
@@ -34,16 +49,24 @@ def _seq_mean_token_mean(loss_mat: torch.Tensor, loss_mask: torch.Tensor) -> tor
     return (seq_losses * nonempty).sum() / nonempty.sum().clamp_min(1)
 
 
-def _seq_mean_token_sum_norm(loss_mat: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Sum over all tokens divided by T, the padded response length (Dr. GRPO, Liu et al. 2025).
+def _seq_mean_token_sum_norm(loss_mat: torch.Tensor, loss_mask: torch.Tensor, max_response_length: int | None
+                             ) -> torch.Tensor:
+    """Dr. GRPO (Liu et al. 2025, arXiv 2503.20783, sec. 3.2): each sequence's token sum divided by a
+    constant, the maximum response length L, then the mean over non-empty sequences; TRL's
+    `loss_type="dr_grpo"` divides by B * L likewise.
 
-    As in verl the divisor is T alone (not B * T): keep T constant across steps (pad to the
-    configured max response length) for the constant normalizer Dr. GRPO prescribes.
+    L is `max_response_length` (the configured generation limit), never the width this batch
+    happens to be padded to, so the normalizer is the same at every step and in every micro-batch.
+    verl divides the batch sum by T alone, which makes the loss scale with the batch size; here the
+    scale is the same for any batch size. Without `max_response_length`, T is used.
     """
-    return masked_sum(loss_mat, loss_mask) / loss_mask.shape[-1]
+    length = loss_mask.shape[-1] if max_response_length is None else max_response_length
+    seq_losses = masked_sum(loss_mat, loss_mask, dim=-1) / length  # [B]
+    nonempty = _nonempty(loss_mask).to(seq_losses.dtype)  # [B]
+    return (seq_losses * nonempty).sum() / nonempty.sum().clamp_min(1)
 
 
-_AGG_FNS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+_AGG_FNS = {
     "token-mean": _token_mean,
     "seq-mean-token-sum": _seq_mean_token_sum,
     "seq-mean-token-mean": _seq_mean_token_mean,
@@ -52,11 +75,27 @@ _AGG_FNS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 LOSS_AGG_MODES: tuple[str, ...] = tuple(_AGG_FNS)
 
 
-def agg_loss(*, loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
+def _check_mode(loss_agg_mode: str) -> None:
+    if loss_agg_mode not in _AGG_FNS:
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; allowed: {list(LOSS_AGG_MODES)}")
+
+
+def agg_loss(*, loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str,
+             max_response_length: int | None = None) -> torch.Tensor:
     """Aggregate per-token losses (verl `agg_loss`).
 
     loss_mat, loss_mask: [B, T] -> scalar. loss_agg_mode: one of LOSS_AGG_MODES.
+    max_response_length: Dr. GRPO's constant normalizer (seq-mean-token-sum-norm only).
     """
-    if loss_agg_mode not in _AGG_FNS:
-        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; allowed: {list(LOSS_AGG_MODES)}")
-    return _AGG_FNS[loss_agg_mode](loss_mat, loss_mask)
+    _check_mode(loss_agg_mode)
+    return _AGG_FNS[loss_agg_mode](loss_mat, loss_mask, max_response_length)
+
+
+def agg_units(*, loss_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
+    """What `loss_agg_mode` averages over, counted in `loss_mask` [B, T] -> scalar: unmasked tokens
+    for token-mean, non-empty sequences for the seq-* modes. The aggregate of a union of batches is
+    the units-weighted mean of their aggregates."""
+    _check_mode(loss_agg_mode)
+    if loss_agg_mode == "token-mean":
+        return loss_mask.sum().to(torch.float32)
+    return _nonempty(loss_mask).sum()

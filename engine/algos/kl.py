@@ -73,11 +73,13 @@ def kl_loss(
     response_mask: torch.Tensor,
     estimator: str,
     loss_agg_mode: str = "token-mean",
+    max_response_length: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """KL-to-reference term added to the actor loss (GRPO, Shao et al. 2024, eq. 3; verl
     `use_kl_loss` in dp_actor). logp, ref_logp, response_mask: [B, T] -> (loss scalar, stats)."""
     kld = kl_penalty(logp=logp, ref_logp=ref_logp, estimator=estimator)
-    loss = agg_loss(loss_mat=kld, loss_mask=response_mask, loss_agg_mode=loss_agg_mode)
+    loss = agg_loss(loss_mat=kld, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
+                    max_response_length=max_response_length)
     return loss, {"kl_loss": loss.detach()}
 
 

@@ -1,7 +1,8 @@
 """Policy-gradient losses: one registry, one keyword-only signature.
 
 Shapes: B batch, T response tokens. Every loss takes `logp, old_logp, adv, response_mask`
-(all [B, T]) and clip settings, and returns `(loss scalar, stats)` where stats always holds the
+(all [B, T]), clip settings and the aggregation (`loss_agg_mode`, and `max_response_length` for
+Dr. GRPO's constant normalizer, see agg.py), and returns `(loss scalar, stats)` where stats always holds the
 detached scalars `pg_clipfrac`, `pg_clipfrac_lower` and `ppo_kl` (verl's metric names).
 """
 
@@ -35,6 +36,7 @@ class PolicyLossFn(Protocol):
         clip_high: float,
         clip_ratio_c: float = 3.0,
         loss_agg_mode: str = "token-mean",
+        max_response_length: int | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
@@ -71,6 +73,7 @@ def ppo_clip(
     clip_high: float,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
+    max_response_length: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate (Schulman et al. 2017, eq. 7) with asymmetric clip range
     [1 - clip_low, 1 + clip_high] (DAPO clip-higher) and dual clip for adv < 0
@@ -89,7 +92,8 @@ def ppo_clip(
     pessimistic = torch.maximum(unclipped, clipped)  # loss form of min(r A, clip(r) A)
     dual_bound = -adv * clip_ratio_c
     pg_losses = torch.where(adv < 0, torch.minimum(pessimistic, dual_bound), pessimistic)
-    loss = agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode)
+    loss = agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
+                    max_response_length=max_response_length)
     lower_clipped = (pessimistic > dual_bound) & (adv < 0)
     stats = {
         "pg_clipfrac": masked_mean((clipped > unclipped).to(logp.dtype), response_mask).detach(),
@@ -110,6 +114,7 @@ def gspo(
     clip_high: float,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
+    max_response_length: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Group Sequence Policy Optimization (Zheng et al. 2025, arXiv 2507.18071, GSPO-token form);
     verl `compute_policy_loss_gspo`.
@@ -129,7 +134,8 @@ def gspo(
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     pg_losses = torch.maximum(unclipped, clipped)
-    loss = agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode)
+    loss = agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
+                    max_response_length=max_response_length)
     stats = {
         "pg_clipfrac": masked_mean((clipped > unclipped).to(logp.dtype), response_mask).detach(),
         "pg_clipfrac_lower": torch.zeros((), dtype=logp.dtype, device=logp.device),

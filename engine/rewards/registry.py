@@ -15,13 +15,8 @@ stop the stage, never turn into a silent 0 that the policy then learns from.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import importlib
-import importlib.util
 import math
 import numbers
-import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +24,7 @@ from typing import Any
 
 from engine.config import RewardConfig
 from engine.errors import RewardError
+from engine.imports import load_object
 from engine.rewards.math_answer import math_score
 from engine.rewards.python_expr import python_expr_reward
 from engine.rewards.rules import exact_match_score, format_score, gsm8k_score, sort_score
@@ -102,48 +98,9 @@ def resolve_reward(data_source: str, row: int | None = None) -> RewardSpec:
 # ------------------------------------------------------------------------------- custom rewards
 
 
-@functools.lru_cache(maxsize=16)
 def load_custom_reward(spec: str) -> RowReward:
     """`module:function` or `path/to/file.py:function`, with verl's compute_score signature."""
-    target, sep, name = spec.rpartition(":")
-    if not sep or not target or not name:
-        raise RewardError(
-            f"reward.function must be 'module:function' or 'path/to/file.py:function', got {spec!r}"
-        )
-    module = (
-        _import_file(target, spec)
-        if target.endswith(".py") or os.sep in target
-        else _import_module(target, spec)
-    )
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise RewardError(f"reward.function {spec!r}: {target} has no function {name!r}")
-    return fn  # type: ignore[no-any-return]
-
-
-def _import_module(target: str, spec: str) -> Any:
-    try:
-        return importlib.import_module(target)
-    except ImportError as err:
-        raise RewardError(f"reward.function {spec!r}: cannot import module {target!r} ({err})") from err
-
-
-def _import_file(target: str, spec: str) -> Any:
-    path = os.path.abspath(target)
-    if not os.path.isfile(path):
-        raise RewardError(f"reward.function {spec!r}: no such file {path}")
-    # A name unique to the path, so two custom files with one stem never share a module.
-    module_name = "rlflow_custom_reward_" + hashlib.sha1(path.encode()).hexdigest()[:12]
-    loader_spec = importlib.util.spec_from_file_location(module_name, path)
-    assert loader_spec is not None and loader_spec.loader is not None
-    module = importlib.util.module_from_spec(loader_spec)
-    try:
-        loader_spec.loader.exec_module(module)
-    except Exception as err:
-        raise RewardError(
-            f"reward.function {spec!r}: importing {path} failed: {type(err).__name__}: {err}"
-        ) from err
-    return module
+    return load_object(spec, "reward.function", RewardError)  # type: ignore[no-any-return]
 
 
 # ---------------------------------------------------------------------------------- batch scoring

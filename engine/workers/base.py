@@ -72,6 +72,27 @@ class RankWorker:
                 f"the call expected version {expected}"
             )
 
+    def collective_trace(self, method: str, *args: Any, **kwargs: Any) -> tuple[Any, list[str]]:
+        """(the result of `method`, every torch.distributed collective it issued on this rank, in order:
+        name and tensor shape). For tests: ranks whose traces differ would hang or exchange wrong data."""
+        trace: list[str] = []
+        originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+
+        def recording(name: str, fn: Any) -> Any:
+            def call(*a: Any, **kw: Any) -> Any:
+                shapes = [tuple(x.shape) for x in (*a, *kw.values()) if isinstance(x, torch.Tensor)]
+                trace.append(f"{name}{shapes}")
+                return fn(*a, **kw)
+            return call
+
+        for name, fn in originals.items():
+            setattr(dist, name, recording(name, fn))
+        try:
+            return getattr(self, method)(*args, **kwargs), trace
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+
     def debug_fault(self, kind: str, rank: int, seconds: float = 0.0) -> str:
         """Faults for tests: `raise` on one rank, `hang` for `seconds`, `exit` the process (a crash)."""
         if rank != self.rank:
@@ -87,6 +108,12 @@ class RankWorker:
             self.exit_mid_update = True
             return "armed"
         raise ValueError(f"unknown fault kind {kind!r}; allowed: raise, hang, exit, exit_mid_update")
+
+
+# What FSDP2 (all_gather_single, reduce_scatter_single in torch >= 2.13; the *_tensor forms before) and
+# our own reductions call.
+_COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
+                "all_reduce", "all_gather", "broadcast", "reduce_scatter", "barrier")
 
 
 def _node_ip() -> str:

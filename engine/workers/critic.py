@@ -5,14 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from torch import nn
-from transformers import AutoModelForTokenClassification
 
 from engine import algos
 from engine.batch import Batch
 from engine.config import CriticConfig
-from engine.models import hub_offline, positions, torch_dtype
+from engine.models import dropout_left, load_value_model, positions
 from engine.seeds import derive_seed
 from engine.workers import fsdp
 from engine.workers.base import RankWorker
@@ -23,6 +22,7 @@ class CriticSpec(BaseModel):
     dtype: str = "float32"
     trust_remote_code: bool = False
     critic: CriticConfig = CriticConfig()
+    max_response_length: int = Field(16, gt=0, description="rollout.max_new_tokens: Dr. GRPO's normalizer")
     total_iterations: int = 1
     seed: int = 0
 
@@ -35,12 +35,8 @@ class CriticWorker(RankWorker):
     def setup(self) -> None:
         spec = self.spec
         torch.manual_seed(derive_seed(spec.seed, 0, "critic_head"))  # the new value head's init
-        # The trunk of the causal LM and one output per token: transformers' token-classification head.
-        model = AutoModelForTokenClassification.from_pretrained(
-            spec.model_path, num_labels=1, dtype=torch_dtype(spec.dtype),
-            trust_remote_code=spec.trust_remote_code, local_files_only=hub_offline(),
-        )
-        self.model = fsdp.shard_model(model.train(), spec.critic.reshard_after_forward)
+        model = load_value_model(spec.model_path, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code)
+        self.model = fsdp.shard_model(model, spec.critic.reshard_after_forward)
         self.optimizer = fsdp.build_optimizer(self.model, spec.critic)
         self.scheduler = fsdp.build_scheduler(self.optimizer, spec.critic, spec.total_iterations)
 
@@ -48,6 +44,7 @@ class CriticWorker(RankWorker):
     def compute_values(self, batch: Batch, *, expected_version: int | None) -> Batch:
         """`values` [B, T]: the value of the state before each response token."""
         self.check_version(expected_version)
+        self.model.eval()
         chunks = [response_values(self.model, c) for c in batch.chunks(self.spec.critic.micro_batch_size)]
         return Batch({"values": torch.cat(chunks)}, {})
 
@@ -56,21 +53,47 @@ class CriticWorker(RankWorker):
         self.check_version(expected_version)
         cfg = self.spec.critic
         gen = torch.Generator().manual_seed(derive_seed(self.spec.seed, iteration, "update_critic", self.rank))
+        self.model.train()
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this update's optimizer steps use
         local = fsdp.train_epochs(batch, model=self.model, optimizer=self.optimizer, cfg=cfg,
                                   loss_agg_mode=cfg.loss_agg_mode, generator=gen, micro_loss=self._micro_loss,
                                   grad_norm_key="critic/grad_norm")
         self.scheduler.step()
         self.version = iteration
-        local["critic/lr"] = torch.tensor(self.optimizer.param_groups[0]["lr"])
+        local["critic/lr"] = torch.tensor(lr)
         return fsdp.all_reduce_mean(local)
+
+    def gradients(self, batch: Batch, *, micro_batch_size: int | None = None, loss_agg_mode: str | None = None
+                  ) -> dict[str, torch.Tensor]:
+        """The gradient of the value loss on `batch` as one mini-batch, before clipping (as PolicyWorker's)."""
+        critic = self.spec.critic.model_copy(update={
+            "micro_batch_size": micro_batch_size or self.spec.critic.micro_batch_size,
+            "loss_agg_mode": loss_agg_mode or self.spec.critic.loss_agg_mode})
+        saved, self.spec = self.spec, self.spec.model_copy(update={"critic": critic})
+        try:
+            self.model.train()
+            self.optimizer.zero_grad(set_to_none=True)
+            fsdp.accumulate_gradients(batch, model=self.model, cfg=critic, loss_agg_mode=critic.loss_agg_mode,
+                                      micro_loss=self._micro_loss)
+            return fsdp.full_gradients(self.model)
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.spec = saved
 
     def _micro_loss(self, micro: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss, stats = algos.clipped_value_loss(
             vpreds=response_values(self.model, micro), values=micro["values"], returns=micro["returns"],
             response_mask=micro["response_mask"], clip_range_value=self.spec.critic.clip_range_value,
-            loss_agg_mode=self.spec.critic.loss_agg_mode,
+            loss_agg_mode=self.spec.critic.loss_agg_mode, max_response_length=self.spec.max_response_length,
         )
         return loss, {"critic/vf_loss": loss.detach(), **{f"critic/{k}": v for k, v in stats.items()}}
+
+    def dropout_left(self) -> dict[str, list[str]]:
+        return {"critic": dropout_left(self.model)}
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The full value-model weights on rank 0 (empty on the others); every rank joins the gather."""
+        return fsdp.full_state_dict_rank0(self.model)
 
     def save(self, url: str, storage_options: dict[str, Any]) -> None:
         extra = {"scheduler": self.scheduler.state_dict(), "rng": fsdp.rng_state(), "version": self.version}

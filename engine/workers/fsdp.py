@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from engine import algos
 from engine.batch import Batch
 from engine.config import OptimConfig
 
@@ -116,7 +117,9 @@ def load_sharded(url: str, model: nn.Module, optimizer: torch.optim.Optimizer | 
     else:
         model.load_state_dict(state["model"])
     with fsspec.open(f"{url.rstrip('/')}/extra_rank{dist.get_rank()}.pt", "rb", **storage_options) as f:
-        return torch.load(io.BytesIO(f.read()), weights_only=False)
+        # weights_only: tensors, numbers, strings and containers only. Whoever can write the bucket must
+        # not be able to run code on every rank through a pickle.
+        return torch.load(io.BytesIO(f.read()), weights_only=True)  # type: ignore[no-any-return]
 
 
 def _writer(url: str, storage_options: dict[str, Any]) -> dcp.StorageWriter:
@@ -155,26 +158,17 @@ def train_epochs(batch: Batch, *, model: nn.Module, optimizer: torch.optim.Optim
                  loss_agg_mode: str, generator: torch.Generator, micro_loss: MicroLoss, grad_norm_key: str,
                  after_backward: Callable[[], None] | None = None, group_prompts: bool = False
                  ) -> dict[str, torch.Tensor]:
-    """PPO epochs over this rank's shard: shuffled mini-batches (one optimizer step each) of
-    micro-batches whose gradients accumulate with global weights (see micro_weights). Returns the
-    mean of every stat over the optimizer steps (this rank's view; all_reduce_mean averages ranks)."""
+    """PPO epochs over this rank's shard: shuffled mini-batches (one optimizer step each) whose
+    gradients `accumulate_gradients` builds. Returns the mean of every stat over the optimizer steps
+    (this rank's view; all_reduce_mean averages ranks)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     mini = max(1, cfg.mini_batch_size // world)  # rows of this rank per optimizer step
     stats: dict[str, list[torch.Tensor]] = {}
-    once = cfg.grad_sync == "optimizer_step"
     for _ in range(cfg.ppo_epochs):
         for minibatch in batch.shuffle(generator).chunks(mini):
-            micros = by_length(minibatch, group_prompts).chunks(cfg.micro_batch_size)
-            step: dict[str, torch.Tensor] = {}
-            for i, (micro, weight) in enumerate(zip(micros, micro_weights(micros, loss_agg_mode))):
-                if once and isinstance(model, FSDPModule):  # reduce-scatter with the last micro-batch only
-                    model.set_requires_gradient_sync(i == len(micros) - 1)
-                loss, micro_stats = micro_loss(micro)
-                (loss * weight).backward()  # gradient accumulation, weighted to the global mini-batch
-                if after_backward is not None:
-                    after_backward()
-                for key, value in micro_stats.items():
-                    step[key] = step.get(key, torch.zeros(())) + value.detach() * weight
+            step = accumulate_gradients(minibatch, model=model, cfg=cfg, loss_agg_mode=loss_agg_mode,
+                                        micro_loss=micro_loss, after_backward=after_backward,
+                                        group_prompts=group_prompts)
             grad_norm = clip_grad_norm(model, cfg.grad_clip)
             if torch.isfinite(grad_norm):  # a non-finite gradient skips the step instead of poisoning AdamW
                 optimizer.step()
@@ -183,6 +177,41 @@ def train_epochs(batch: Batch, *, model: nn.Module, optimizer: torch.optim.Optim
             for key, value in step.items():
                 stats.setdefault(key, []).append(value)
     return {k: torch.stack(v).mean() for k, v in stats.items()}
+
+
+def accumulate_gradients(minibatch: Batch, *, model: nn.Module, cfg: OptimConfig, loss_agg_mode: str,
+                         micro_loss: MicroLoss, after_backward: Callable[[], None] | None = None,
+                         group_prompts: bool = False) -> dict[str, torch.Tensor]:
+    """Backward of this rank's part of one global mini-batch, micro-batch by micro-batch, each
+    loss weighted (micro_weights) so that the accumulated gradient, averaged over the ranks by FSDP,
+    is the gradient of the loss aggregated over the whole global mini-batch. Returns the stats
+    weighted the same way (this rank's share of the mini-batch value)."""
+    micros = by_length(minibatch, group_prompts).chunks(cfg.micro_batch_size)
+    once = cfg.grad_sync == "optimizer_step"
+    step: dict[str, torch.Tensor] = {}
+    for i, (micro, weight) in enumerate(zip(micros, micro_weights(micros, loss_agg_mode))):
+        if once and isinstance(model, FSDPModule):  # reduce-scatter with the last micro-batch only
+            model.set_requires_gradient_sync(i == len(micros) - 1)
+        loss, micro_stats = micro_loss(micro)
+        (loss * weight).backward()  # gradient accumulation, weighted to the global mini-batch
+        if after_backward is not None:
+            after_backward()
+        for key, value in micro_stats.items():
+            step[key] = step.get(key, torch.zeros(())) + value.detach() * weight
+    return step
+
+
+def full_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The accumulated gradient of every parameter, unsharded (an all-gather per parameter; every
+    rank calls it): what the optimizer step would see, before clipping."""
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad
+        if grad is None:
+            grads[name] = torch.zeros(param.shape, dtype=param.dtype)
+            continue
+        grads[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
+    return grads
 
 
 def by_length(batch: Batch, group_prompts: bool = False) -> Batch:
@@ -227,11 +256,10 @@ def global_sum(value: float) -> float:
 def micro_weights(micros: list[Any], loss_agg_mode: str) -> list[float]:
     """Weight of each micro-batch's aggregated loss so that, summed over micro-batches and averaged over
     ranks (FSDP averages gradients), the mini-batch loss is the aggregate over the GLOBAL mini-batch:
-    sharded training then equals one process. Units are tokens for token-mean, sequences otherwise."""
-    def units(micro: Any) -> float:
-        return float(micro["response_mask"].sum()) if loss_agg_mode == "token-mean" else float(len(micro))
-
-    local = [units(m) for m in micros]
+    units(micro) / units(global mini-batch) * world, with the units of the mode's own aggregate
+    (algos.agg_units: tokens for token-mean, non-empty sequences for the seq-* modes). Sharded training
+    then equals one process whatever the micro-batch size, the short last chunk or the world size."""
+    local = [float(algos.agg_units(loss_mask=m["response_mask"], loss_agg_mode=loss_agg_mode)) for m in micros]
     total = global_sum(sum(local))
     world = dist.get_world_size() if dist.is_initialized() else 1
     return [u * world / total if total > 0 else 0.0 for u in local]

@@ -26,8 +26,8 @@ from transformers import DynamicCache
 
 from engine import algos
 from engine.batch import Batch
-from engine.config import ActorConfig, RolloutConfig
-from engine.models import cache_argument, load_model, load_tokenizer, positions, stop_token_ids
+from engine.config import ActorConfig, RefConfig, RolloutConfig
+from engine.models import cache_argument, dropout_left, load_model, load_tokenizer, positions, stop_token_ids
 from engine.rollout import HFRollout, SamplingParams
 from engine.seeds import derive_seed
 from engine.workers import fsdp
@@ -43,6 +43,7 @@ class PolicySpec(BaseModel):
     trust_remote_code: bool = False
     rollout: RolloutConfig = RolloutConfig()
     actor: ActorConfig = ActorConfig()
+    ref: RefConfig = RefConfig()
     use_ref: bool = False
     total_iterations: int = 1
     seed: int = 0
@@ -60,7 +61,8 @@ class PolicyWorker(RankWorker):
         self.tokenizer = load_tokenizer(spec.tokenizer_path, trust_remote_code=spec.trust_remote_code)
         base = load_model(spec.model_path, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code)
         self.rollout_model = copy.deepcopy(base)  # unsharded, generation only
-        self.actor = fsdp.shard_model(base.train(), spec.actor.reshard_after_forward)
+        # Every model is loaded without dropout (engine.models): train mode changes nothing but autograd.
+        self.actor = fsdp.shard_model(base, spec.actor.reshard_after_forward)
         self.optimizer = fsdp.build_optimizer(self.actor, spec.actor)
         self.scheduler = fsdp.build_scheduler(self.optimizer, spec.actor, spec.total_iterations)
         self.ref: nn.Module | None = None
@@ -98,6 +100,7 @@ class PolicyWorker(RankWorker):
     def compute_log_prob(self, batch: Batch, *, expected_version: int | None) -> Batch:
         """Old log-probs and entropy of the responses under the actor: `old_logp`, `entropy` [B, T]."""
         self.check_version(expected_version)
+        self.actor.eval()
         logp, entropy = self._forward_chunks(self.actor, batch, self.spec.actor.micro_batch_size, entropy=True)
         return Batch({"old_logp": logp, "entropy": entropy}, {})
 
@@ -106,7 +109,7 @@ class PolicyWorker(RankWorker):
         """`ref_logp` [B, T] under the frozen reference policy."""
         if self.ref is None:
             raise RuntimeError("this policy was built without a reference model (no KL term configured)")
-        logp, _ = self._forward_chunks(self.ref, batch, self.spec.actor.micro_batch_size, entropy=False)
+        logp, _ = self._forward_chunks(self.ref, batch, self.spec.ref.micro_batch_size, entropy=False)
         return Batch({"ref_logp": logp}, {})
 
     @torch.no_grad()
@@ -135,14 +138,34 @@ class PolicyWorker(RankWorker):
         self.check_version(expected_version)
         gen = torch.Generator().manual_seed(derive_seed(self.spec.seed, iteration, "update_actor", self.rank))
         self.actor.train()
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this update's optimizer steps use
         local = fsdp.train_epochs(batch, model=self.actor, optimizer=self.optimizer, cfg=self.spec.actor,
                                   loss_agg_mode=self.spec.actor.loss_agg_mode, generator=gen,
                                   micro_loss=self._micro_loss, grad_norm_key="actor/grad_norm",
                                   after_backward=self._maybe_exit, group_prompts=self.spec.actor.share_prompts)
         self.scheduler.step()
         self.version = iteration
-        local["actor/lr"] = torch.tensor(self.optimizer.param_groups[0]["lr"])
+        local["actor/lr"] = torch.tensor(lr)
         return fsdp.all_reduce_mean(local)
+
+    def gradients(self, batch: Batch, *, micro_batch_size: int | None = None, loss_agg_mode: str | None = None
+                  ) -> dict[str, torch.Tensor]:
+        """The gradient the update would step with on `batch` as ONE mini-batch (before clipping), full
+        tensors on every rank; the weights and optimizer are untouched. For equivalence tests: the update's
+        own code path (accumulate_gradients), with the micro-batch size and aggregation overridable."""
+        actor = self.spec.actor.model_copy(update={
+            "micro_batch_size": micro_batch_size or self.spec.actor.micro_batch_size,
+            "loss_agg_mode": loss_agg_mode or self.spec.actor.loss_agg_mode})
+        saved, self.spec = self.spec, self.spec.model_copy(update={"actor": actor})
+        try:
+            self.actor.train()
+            self.optimizer.zero_grad(set_to_none=True)
+            fsdp.accumulate_gradients(batch, model=self.actor, cfg=actor, loss_agg_mode=actor.loss_agg_mode,
+                                      micro_loss=self._micro_loss, group_prompts=actor.share_prompts)
+            return fsdp.full_gradients(self.actor)
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.spec = saved
 
     def _maybe_exit(self) -> None:
         if self.exit_mid_update:  # a test fault: SIGKILL this rank with half an update done
@@ -150,6 +173,7 @@ class PolicyWorker(RankWorker):
 
     def _micro_loss(self, micro: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.spec.actor
+        length = self.spec.rollout.max_new_tokens  # Dr. GRPO's constant normalizer (algos.agg)
         mask = micro["response_mask"]
         logits = response_logits(self.actor, micro, self.spec.rollout.temperature, cfg.share_prompts)  # [b, T, V]
         logp = algos.logprobs_from_logits(logits, micro["responses"])
@@ -160,19 +184,21 @@ class PolicyWorker(RankWorker):
             logp=logp, old_logp=micro["old_logp"] if "old_logp" in micro else logp.detach(), adv=micro["adv"],
             response_mask=mask,
             clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c,
-            loss_agg_mode=cfg.loss_agg_mode,
+            loss_agg_mode=cfg.loss_agg_mode, max_response_length=length,
         )
         with torch.set_grad_enabled(cfg.entropy_coeff > 0 and torch.is_grad_enabled()):  # else a statistic only
             entropy = algos.agg_loss(loss_mat=algos.entropy_from_logits(logits), loss_mask=mask,
-                                     loss_agg_mode=cfg.loss_agg_mode)
+                                     loss_agg_mode=cfg.loss_agg_mode, max_response_length=length)
         loss = pg_loss - cfg.entropy_coeff * entropy if cfg.entropy_coeff > 0 else pg_loss
         stats = {"actor/pg_loss": pg_loss.detach(), "actor/entropy": entropy.detach(),
                  **{f"actor/{k}": v.detach() for k, v in pg_stats.items()}}
         if cfg.use_kl_loss:
             kl, _ = algos.kl_loss(logp=logp, ref_logp=micro["ref_logp"], response_mask=mask,
-                                  estimator=cfg.kl_loss_type, loss_agg_mode=cfg.loss_agg_mode)
+                                  estimator=cfg.kl_loss_type, loss_agg_mode=cfg.loss_agg_mode,
+                                  max_response_length=length)
             loss = loss + cfg.kl_loss_coef * kl
             stats["actor/kl_loss"] = kl.detach()
+        stats["actor/loss"] = loss.detach()  # pg_loss - entropy_coeff * entropy + kl_loss_coef * kl_loss
         return loss, stats
 
     # -- weights -----------------------------------------------------------------------------------
@@ -228,6 +254,11 @@ class PolicyWorker(RankWorker):
         """The full actor weights on rank 0 (empty on the others); every rank joins the gather."""
         return fsdp.full_state_dict_rank0(self.actor)
 
+    def dropout_left(self) -> dict[str, list[str]]:
+        """Where each model of this rank would still drop anything (engine.models.dropout_left): empty lists."""
+        models = {"actor": self.actor, "rollout": self.rollout_model, "ref": self.ref}
+        return {name: dropout_left(m) for name, m in models.items() if m is not None}
+
     def weights_digest(self) -> str:
         """sha256 of the full weights (for bit-identity checks); every rank joins the gather."""
         import hashlib
@@ -249,15 +280,16 @@ def response_logits(model: nn.Module, batch: Batch, temperature: float, share_pr
     longest response get zeros, which every loss and statistic masks out.
 
     `share_prompts`: rows with the same prompt (a GRPO group) share one forward pass of it; see
-    `_shared_prompt_logits`.
+    `_shared_prompt_logits`. The number of forward passes depends on the setting only, never on the
+    data: under FSDP2 every forward all-gathers, so ranks whose micro-batches differ (one repeats a
+    prompt, the other does not) must still issue the same collectives.
     """
-    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
     t = batch["responses"].shape[1]
-    keep = max(1, int(batch["response_mask"].sum(-1).max())) if t else 0
-    groups = fsdp.prompt_groups(batch) if share_prompts and t else None
-    if groups is not None and len(groups[0]) < len(groups[1]):  # some rows share a prompt
-        out = _shared_prompt_logits(model, batch, *groups, keep)
+    keep = max(1, int(batch["response_mask"].sum(-1).max()))
+    if share_prompts:
+        out = _shared_prompt_logits(model, batch, *fsdp.prompt_groups(batch), keep)
     else:
+        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
         first = _first_real_column(attention_mask)
         end = input_ids.shape[1] - t + keep
         input_ids, attention_mask = input_ids[:, first:end], attention_mask[:, first:end]
@@ -276,6 +308,10 @@ def _shared_prompt_logits(model: nn.Module, batch: Batch, unique: torch.Tensor, 
     the response before it, at the same positions), so the same logits up to float rounding; with
     GRPO's 8 responses per prompt and prompts longer than responses, about half the compute. The
     backward sums each prompt's gradient over its rows, as the padded forward does.
+
+    Always two forward passes, whatever the data (see `response_logits`): when every response has one
+    token (keep = 1) the response pass still runs on one column, and its unused logits stay in the
+    graph through an empty slice, so its backward (and FSDP2's collectives in it) runs as on any rank.
     """
     rows, t = batch["responses"].shape
     p = batch["input_ids"].shape[1] - t
@@ -289,14 +325,13 @@ def _shared_prompt_logits(model: nn.Module, batch: Batch, unique: torch.Tensor, 
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=True, logits_to_keep=1,
                 **kwargs)
     first = out.logits[:, -1:].float()[inverse]  # [B, 1, V]: the prompt's last position predicts token 0
-    if keep == 1:
-        return first
     cache.batch_select_indices(inverse)  # [U, ...] -> [B, ...], differentiable (an index)
-    ids = batch["responses"][:, : keep - 1]  # token j (j < keep-1) predicts token j+1
-    full_mask = torch.cat([mask[inverse], batch["response_mask"][:, : keep - 1]], dim=1)
-    after_prompt = mask.sum(-1)[inverse].unsqueeze(1) + torch.arange(keep - 1).unsqueeze(0)
+    width = max(1, keep - 1)  # token j (j < keep-1) predicts token j+1; one column at least
+    ids = batch["responses"][:, :width]
+    full_mask = torch.cat([mask[inverse], batch["response_mask"][:, :width]], dim=1)
+    after_prompt = mask.sum(-1)[inverse].unsqueeze(1) + torch.arange(width).unsqueeze(0)
     rest = model(input_ids=ids, attention_mask=full_mask, position_ids=after_prompt, use_cache=True, **kwargs).logits
-    return torch.cat([first, rest.float()], dim=1)
+    return torch.cat([first, rest[:, : keep - 1].float()], dim=1)
 
 
 def _first_real_column(attention_mask: torch.Tensor) -> int:

@@ -76,5 +76,7 @@ def run_train(cfg: Any, *, config_path: str | None, overrides: list[str], resume
     from flows.train import connect_ray, train
 
     connect_ray(info.ray_address, cfg)
+    if logging.getLogger().level > logging.DEBUG:
+        progress.quiet_console()  # Prefect's console then shows one line per iteration
     with progress.console_progress(cfg.trainer.total_iterations, sys.stdout.isatty()):
         return train(config_path=config_path, overrides=overrides, resume=resume, run_name=run_id)

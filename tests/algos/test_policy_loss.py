@@ -9,6 +9,7 @@ from engine.algos import (
     LOSS_AGG_MODES,
     POLICY_LOSSES,
     agg_loss,
+    agg_units,
     get_policy_loss,
     gspo,
     ppo_clip,
@@ -188,25 +189,57 @@ LOSS_MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
         ("token-mean", (1 + 2 + 3 + 4) / 4),  # all tokens: 10 / 4
         ("seq-mean-token-sum", (6 + 4) / 2),  # sequence sums 6, 4; empty row excluded
         ("seq-mean-token-mean", (2 + 4) / 2),  # sequence means 2, 4
-        ("seq-mean-token-sum-norm", 10 / 3),  # total / T (verl: divisor is T, not B * T)
+        ("seq-mean-token-sum-norm", (6 / 3 + 4 / 3) / 2),  # sequence sums / T, mean over non-empty rows
     ],
 )
 def test_agg_loss_hand(mode, expected):
     close(agg_loss(loss_mat=LOSS_MAT, loss_mask=LOSS_MASK, loss_agg_mode=mode), expected)
 
 
+def test_dr_grpo_normalizer_is_the_configured_length_not_the_padding():
+    # Dr. GRPO divides by the maximum response length L, whatever width the batch is padded to.
+    wide = torch.cat([LOSS_MAT, torch.full((3, 5), 7.0)], dim=1)  # the same rows padded to T = 8
+    wide_mask = torch.cat([LOSS_MASK, torch.zeros(3, 5)], dim=1)
+    for mat, mask in ((LOSS_MAT, LOSS_MASK), (wide, wide_mask)):
+        close(agg_loss(loss_mat=mat, loss_mask=mask, loss_agg_mode="seq-mean-token-sum-norm",
+                       max_response_length=16), (6 / 16 + 4 / 16) / 2)
+
+
+@pytest.mark.parametrize(("mode", "units"), [("token-mean", 4), ("seq-mean-token-sum", 2),
+                                             ("seq-mean-token-mean", 2), ("seq-mean-token-sum-norm", 2)])
+def test_agg_units_hand(mode, units):
+    close(agg_units(loss_mask=LOSS_MASK, loss_agg_mode=mode), units)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_units_weighted_parts_give_the_whole_aggregate(mode):
+    """The property the engine's micro-batch weights rely on: for any split of the rows, the
+    units-weighted sum of the parts' aggregates is the aggregate of the whole batch."""
+    gen = torch.Generator().manual_seed(0)
+    mat = torch.randn(7, 5, generator=gen)
+    mask = (torch.rand(7, 5, generator=gen) > 0.4).float()
+    mask[3] = 0  # an empty row
+    whole = agg_loss(loss_mat=mat, loss_mask=mask, loss_agg_mode=mode, max_response_length=9)
+    total = agg_units(loss_mask=mask, loss_agg_mode=mode)
+    for sizes in ([3, 3, 1], [1] * 7, [6, 1], [2, 5]):
+        parts = zip(mat.split(sizes), mask.split(sizes))
+        summed = sum(agg_loss(loss_mat=m, loss_mask=k, loss_agg_mode=mode, max_response_length=9)
+                     * agg_units(loss_mask=k, loss_agg_mode=mode) / total for m, k in parts)
+        close(summed, float(whole))
+
+
 def test_agg_modes_differ_on_ragged_masks_and_relate_on_full_masks():
     ragged = {m: agg_loss(loss_mat=LOSS_MAT, loss_mask=LOSS_MASK, loss_agg_mode=m) for m in LOSS_AGG_MODES}
     assert len({round(float(v), 6) for v in ragged.values()}) == len(LOSS_AGG_MODES)
-    # full mask (B=2, T=4): the two mean modes coincide; seq-mean-token-sum is T x token-mean and
-    # seq-mean-token-sum-norm is B x token-mean
+    # full mask (B=2, T=4): the two mean modes coincide, seq-mean-token-sum is T x token-mean, and
+    # seq-mean-token-sum-norm with L = T equals token-mean
     full = torch.ones(2, 4)
     mat = torch.tensor([[1.0, 2.0, 3.0, 6.0], [0.0, 4.0, 4.0, 4.0]])
     values = {m: agg_loss(loss_mat=mat, loss_mask=full, loss_agg_mode=m) for m in LOSS_AGG_MODES}
     close(values["token-mean"], 3.0)
     close(values["seq-mean-token-mean"], 3.0)
     close(values["seq-mean-token-sum"], 12.0)
-    close(values["seq-mean-token-sum-norm"], 6.0)  # 24 / T
+    close(values["seq-mean-token-sum-norm"], 3.0)  # (12 / 4 + 12 / 4) / 2
 
 
 def test_agg_empty_mask_is_zero_not_nan():

@@ -197,7 +197,7 @@ def test_response_logits_skips_all_pad_columns_and_keeps_real_token_logits(tiny_
     seen: list[int] = []
     hook = model.register_forward_pre_hook(lambda _m, _a, kw: seen.append(kw["input_ids"].shape[1]), with_kwargs=True)
     with torch.no_grad():
-        trimmed = response_logits(model, batch, 1.0)
+        trimmed = response_logits(model, batch, 1.0, share_prompts=False)
     hook.remove()
     assert trimmed.shape == (2, 6, len(tokenizer)) and seen == [enc.input_ids.shape[1] + 3]
     ids, mask = batch["input_ids"], batch["attention_mask"]
@@ -252,6 +252,40 @@ def test_shared_prompt_forward_equals_the_padded_forward_with_gradients(tiny_dir
         torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-5)
 
 
+def test_shared_prompt_forward_runs_two_passes_whatever_the_data(tiny_dir: Path) -> None:
+    """No repeated prompt, and every response one token long: still a prompt pass and a response pass
+    (under FSDP2 each forward all-gathers, so the count must not depend on the data), both in the
+    backward's graph, with the padded forward's logits and gradients."""
+    from engine.batch import Batch
+    from engine.workers.policy import response_logits
+
+    model, tokenizer = load_model_and_tokenizer(ModelConfig(path=str(tiny_dir)), task="arith")
+    enc = encode_prompts(tokenizer, [[{"role": "user", "content": t}] for t in ("12+3=", "1+2=", "123+45=")])
+    responses = torch.tensor([[5, 0, 0], [6, 0, 0], [7, 0, 0]])
+    response_mask = torch.tensor([[1, 0, 0], [1, 0, 0], [1, 0, 0]])
+    batch = Batch({"input_ids": torch.cat([enc.input_ids, responses], 1),
+                   "attention_mask": torch.cat([enc.attention_mask, response_mask], 1),
+                   "responses": responses, "response_mask": response_mask}, {})
+    seen: list[tuple[int, int]] = []
+    calls: list[str] = []
+    hook = model.register_forward_pre_hook(lambda _m, _a, kw: seen.append(tuple(kw["input_ids"].shape)),
+                                           with_kwargs=True)
+    bwd = model.model.layers[0].register_full_backward_hook(lambda *_: calls.append("backward"))
+    results = {}
+    for share in (False, True):
+        model.zero_grad()
+        logits = response_logits(model, batch, 1.0, share_prompts=share)
+        (logits.logsumexp(-1) * response_mask.unsqueeze(-1)).sum().backward()
+        results[share] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    hook.remove()
+    bwd.remove()
+    assert seen[1:] == [(3, enc.input_ids.shape[1]), (3, 1)]  # shared: prompts, then one response column
+    assert calls == ["backward"] * 3  # the padded forward's once, the shared forwards' twice
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=0, atol=1e-5)
+    for name, grad in results[False][1].items():
+        torch.testing.assert_close(results[True][1][name], grad, rtol=1e-4, atol=1e-5)
+
+
 def test_length_order_keeps_prompt_groups_together() -> None:
     from engine.batch import Batch
     from engine.workers.fsdp import length_order
@@ -265,3 +299,29 @@ def test_length_order_keeps_prompt_groups_together() -> None:
     # groups: [5,6] longest 2, [3,4] longest 3, [1,2] longest 4; within a group shortest first
     assert length_order(batch, group_prompts=True).tolist() == [4, 1, 3, 5, 2, 0]
     assert length_order(batch, group_prompts=False).tolist() == [1, 5, 2, 4, 3, 0]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_models_load_without_dropout_and_train_mode_is_repeatable(tmp_path: Path, family: str) -> None:
+    """GPT-2's resid/embd/attn pdrop 0.1 and Llama's attention_dropout 0.1 in the config, and the value
+    head's default classifier dropout 0.1: every model the engine loads drops nothing."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from engine.models import dropout_left, load_value_model
+
+    if family == "gpt2":
+        GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=40, n_positions=32,
+                                   bos_token_id=0, eos_token_id=0)).save_pretrained(tmp_path)
+    else:
+        LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     num_key_value_heads=2, vocab_size=40, attention_dropout=0.1)).save_pretrained(tmp_path)
+    ids = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(0))
+    for loader in (load_model, load_value_model):
+        model = loader(str(tmp_path))
+        assert dropout_left(model) == []
+        model.train()
+        torch.testing.assert_close(model(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
+    from transformers import AutoModelForTokenClassification
+
+    plain = AutoModelForTokenClassification.from_pretrained(tmp_path, num_labels=1).train()
+    assert dropout_left(plain)  # what the check would catch without our loader

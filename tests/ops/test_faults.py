@@ -56,14 +56,14 @@ def written_once(times: dict[tuple[int, str], float]) -> None:
     `times`: (iteration, buffer name) -> modification time."""
     order = []
     for i in range(1, ITERATIONS + 1):
-        order += [((i, "rollout"),), ((i, "reward"), (i, "logprob")), ((i, "advantage"),)]
+        order += [((i, "rollout"),), ((i, "reward"), (i, "old_logprob")), ((i, "advantage"),)]
     for earlier, later in zip(order, order[1:]):
         assert max(times[k] for k in earlier) <= min(times[k] for k in later), (earlier, later)
 
 
 def local_times(root: Path, run_id: str) -> dict[tuple[int, str], float]:
     return {(i, name): (root / run_id / "buffers" / f"iter_{i:06d}" / f"{name}.parquet").stat().st_mtime
-            for i in range(1, ITERATIONS + 1) for name in ("rollout", "reward", "logprob", "advantage")}
+            for i in range(1, ITERATIONS + 1) for name in ("rollout", "reward", "old_logprob", "advantage")}
 
 
 def assert_like_uninterrupted(root: Path, run_id: str, reference: dict, times: dict | None = None) -> None:
@@ -80,7 +80,7 @@ def assert_like_uninterrupted(root: Path, run_id: str, reference: dict, times: d
 
 def assert_reused(root: Path, run_id: str, iteration: int) -> None:
     line = json.loads((root / run_id / "metrics" / f"iter_{iteration:06d}.json").read_text())
-    assert line["stages/reused"] >= 4, line["stages/reused"]  # rollout, reward, logprob, advantage
+    assert line["stages/reused"] >= 4, line["stages/reused"]  # rollout, reward, old_logprob, advantage
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +177,7 @@ def test_s3_down_for_10s_mid_run(cli: Cli, tiny_model_dir: Path, s3_server, refe
     local = tmp_path / "copy"
     fs.get(f"{prefix}/s3-down", str(local / "s3-down"), recursive=True)
     times = {(i, name): fs.info(f"{prefix}/s3-down/buffers/iter_{i:06d}/{name}.parquet")["LastModified"].timestamp()
-             for i in range(1, ITERATIONS + 1) for name in ("rollout", "reward", "logprob", "advantage")}
+             for i in range(1, ITERATIONS + 1) for name in ("rollout", "reward", "old_logprob", "advantage")}
     assert_like_uninterrupted(local, "s3-down", reference, times)
     print(f"S3 down 10 s: {time.monotonic() - start:.0f} s")
 

@@ -27,7 +27,7 @@ from tests.ops.conftest import (
 from tests.services import Cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-REUSED = ("generate_rollouts", "score_rewards", "compute_logprobs", "compute_advantages")
+REUSED = ("generate_rollouts", "score_rewards", "compute_old_logprobs", "compute_advantages")
 # update_policy of iteration 2 fails on every attempt of the first flow run (the task's own retries
 # included), then passes: the count is kept in storage (tasks/faults.py).
 FAULT = ["debug.fail_stage=update_policy", f"debug.fail_times={RETRIES + 1}", "debug.fail_iteration=2"]

@@ -38,7 +38,7 @@ def test_grpo_three_iterations_on_s3(cli: Cli, tiny_model_dir: Path, s3_server) 
     assert fs.cat(f"{base}/checkpoints/LATEST").decode().strip().endswith("3")
     assert fs.exists(f"{base}/checkpoints/step_000002/MANIFEST.json")
     assert fs.exists(f"{base}/export/step_000003/model.safetensors")
-    for name in ("rollout", "reward", "logprob", "advantage"):
+    for name in ("rollout", "reward", "old_logprob", "advantage"):
         assert fs.exists(f"{base}/buffers/iter_000003/{name}.parquet")
     listed = cli("engine", "list")
     assert "grpo-s3" not in listed.stdout  # the engine is stopped at the end of the run
@@ -53,7 +53,7 @@ def test_ppo_two_iterations(cli: Cli, tiny_model_dir: Path, tmp_path: Path) -> N
 
 
 def test_grpo_one_optimizer_step_skips_the_old_logprob_pass(cli: Cli, tiny_model_dir: Path, tmp_path: Path) -> None:
-    """8 prompts x 8 = 64 completions, mini-batch 64: no compute_logprobs stage, no logprob buffer."""
+    """8 prompts x 8 = 64 completions, mini-batch 64: no compute_old_logprobs stage, no old_logprob buffer."""
     proc = cli("train", *common(tiny_model_dir, str(tmp_path), "onpolicy", "actor.mini_batch_size=64",
                                 "trainer.total_iterations=2", "trainer.val_every=0"))
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -63,7 +63,7 @@ def test_grpo_one_optimizer_step_skips_the_old_logprob_pass(cli: Cli, tiny_model
         assert "timing_s/old_log_prob" not in m and m["actor/ppo_kl"] == 0.0 and m["actor/pg_clipfrac"] == 0.0
         assert m["actor/grad_norm"] > 0 and "timing_s/update_actor" in m
     assert (run / "buffers" / "iter_000002" / "advantage.parquet").exists()
-    assert not (run / "buffers" / "iter_000002" / "logprob.parquet").exists()
+    assert not (run / "buffers" / "iter_000002" / "old_logprob.parquet").exists()
 
 
 # A flow process killed mid-iteration and resumed (engine alive: attach; engine killed: restore and

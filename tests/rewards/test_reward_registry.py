@@ -9,6 +9,7 @@ import pytest
 
 from engine.config import RewardConfig
 from engine.errors import RewardError
+from engine.imports import load_object
 from engine.rewards import (
     REWARDS,
     RewardSpec,
@@ -51,7 +52,7 @@ CUSTOM = textwrap.dedent(
 def custom_file(tmp_path: Path) -> Path:
     path = tmp_path / "my_reward.py"
     path.write_text(CUSTOM)
-    load_custom_reward.cache_clear()
+    load_object.cache_clear()
     return path
 
 

@@ -1,0 +1,51 @@
+"""User code named in the config: `module:name` (importable) or `path/to/file.py:name`."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import importlib.util
+import os
+from typing import Any
+
+from engine.errors import RLFlowError
+
+
+@functools.lru_cache(maxsize=32)
+def load_object(spec: str, setting: str, error: type[RLFlowError] = RLFlowError, kind: str = "function") -> Any:
+    """The `kind` (a function, by default) `name` of `module` or of the file, imported once per process;
+    `error` names `setting` and says what is wrong (bad form, missing module or file, failing import,
+    no such name). A function must be callable."""
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise error(f"{setting} must be 'module:{kind}' or 'path/to/file.py:{kind}', got {spec!r}")
+    module = _import_file(target, spec, setting, error) if target.endswith(".py") or os.sep in target \
+        else _import_module(target, spec, setting, error)
+    found = getattr(module, name, None)
+    if found is None or (kind == "function" and not callable(found)):
+        raise error(f"{setting} {spec!r}: {target} has no {kind} {name!r}")
+    return found
+
+
+def _import_module(target: str, spec: str, setting: str, error: type[RLFlowError]) -> Any:
+    try:
+        return importlib.import_module(target)
+    except ImportError as err:
+        raise error(f"{setting} {spec!r}: cannot import module {target!r} ({err})") from err
+
+
+def _import_file(target: str, spec: str, setting: str, error: type[RLFlowError]) -> Any:
+    path = os.path.abspath(target)
+    if not os.path.isfile(path):
+        raise error(f"{setting} {spec!r}: no such file {path}")
+    # A name unique to the path, so two custom files with one stem never share a module.
+    module_name = "rlflow_user_" + hashlib.sha1(path.encode()).hexdigest()[:12]
+    loader_spec = importlib.util.spec_from_file_location(module_name, path)
+    assert loader_spec is not None and loader_spec.loader is not None
+    module = importlib.util.module_from_spec(loader_spec)
+    try:
+        loader_spec.loader.exec_module(module)
+    except Exception as err:
+        raise error(f"{setting} {spec!r}: importing {path} failed: {type(err).__name__}: {err}") from err
+    return module

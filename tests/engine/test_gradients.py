@@ -1,0 +1,187 @@
+"""Sharded equals one process, compared where the claim lives: the gradient before the optimizer step.
+
+Adam's first step is about lr * sign(g), so comparing weights after it hides any rescaling of the loss.
+Here the engine's own update path (`accumulate_gradients`: micro-batches, their weights, FSDP2's
+gradient averaging) is compared with one plain transformers process that aggregates the loss over the
+whole global mini-batch in one forward, for every loss aggregation, micro-batch sizes 1, 3 (an uneven
+last chunk) and all, 1 and 2 ranks, the actor and the critic.
+
+The model has attention dropout 0.1 in its config and the critic's head defaults to 0.1: the plain
+reference runs in eval mode (no dropout), the engine in train mode, so dropout left on anywhere in the
+engine shows as a gradient mismatch too.
+
+The batch: 20 rows, 10 per rank with 2 ranks. Rank 0 holds prompts A x4, B x4, C x2 (its micro-batches
+repeat prompts), rank 1 holds C and 9 distinct prompts (no repeats): the group of C spans the ranks,
+and only one rank repeats a prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+from engine import algos
+from engine.batch import Batch
+from engine.config import ActorConfig, CriticConfig, RolloutConfig
+from engine.engine import Engine, EngineSpec
+from engine.models import encode_prompts, load_tokenizer
+from engine.synthetic import make_rows
+from engine.workers.critic import CriticSpec, response_values
+from engine.workers.policy import PolicySpec, response_logits
+
+pytestmark = pytest.mark.integration
+
+ROWS, T, TEMPERATURE = 20, 8, 0.9
+MICRO_SIZES = (1, 3, ROWS)  # 3: chunks of 3, 3, 3, 1 per rank with 2 ranks (3 x 6 + 2 with one)
+ACTOR = {"clip_low": 0.2, "clip_high": 0.28, "use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "k3",
+         "entropy_coeff": 0.01}
+REL_TOL = 1e-4  # of the gradient norm; float32 summation order gives ~1e-6
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with attention dropout 0.1 in its config."""
+    out = tmp_path_factory.mktemp("dropout") / "model"
+    shutil.copytree(tiny_model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    config["attention_dropout"] = 0.1
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def make_batch(model_dir: Path) -> Batch:
+    tok = load_tokenizer(str(model_dir))
+    rows = make_rows("arith", 12, seed=3)
+    order = [0] * 4 + [1] * 4 + [2] * 2 + [2] + list(range(3, 12))  # A A A A B B B B C C | C D E ... L
+    enc = encode_prompts(tok, [rows[i]["prompt"] for i in order])
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([1, 8, 3, 5, 2, 8, 7, 1, 4, 6, 8, 3, 1, 5, 2, 7, 4, 8, 6, 2])  # a row of 1, rows of T
+    responses = torch.randint(10, 60, (ROWS, T), generator=gen)
+    response_mask = (torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, tok.pad_token_id))
+    responses[torch.arange(ROWS), lengths - 1] = tok.eos_token_id
+    batch = Batch({"input_ids": torch.cat([enc.input_ids, responses], dim=1),
+                   "attention_mask": torch.cat([enc.attention_mask, response_mask], dim=1),
+                   "responses": responses, "response_mask": response_mask}, {})
+    plain = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        logp = algos.logprobs_from_logits(response_logits(plain, batch, TEMPERATURE, False), responses)
+    adv = torch.randn(ROWS, 1, generator=gen) * response_mask
+    return batch.with_tensors(
+        old_logp=(logp + 0.1 * torch.randn(ROWS, T, generator=gen)) * response_mask,  # some ratios clip
+        ref_logp=(logp - 0.2 * torch.randn(ROWS, T, generator=gen).abs()) * response_mask,
+        adv=adv, values=torch.randn(ROWS, T, generator=gen) * response_mask,
+        returns=torch.randn(ROWS, T, generator=gen) * response_mask)
+
+
+def plain_actor_gradients(model_dir: Path, batch: Batch, mode: str) -> dict[str, torch.Tensor]:
+    """The actor loss aggregated over the whole batch in one forward of one plain process."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    mask, cfg = batch["response_mask"], ActorConfig(**ACTOR)
+    logits = response_logits(model, batch, TEMPERATURE, share_prompts=False)
+    logp = algos.logprobs_from_logits(logits, batch["responses"])
+    pg, _ = algos.ppo_clip(logp=logp, old_logp=batch["old_logp"], adv=batch["adv"], response_mask=mask,
+                           clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c,
+                           loss_agg_mode=mode, max_response_length=T)
+    entropy = algos.agg_loss(loss_mat=algos.entropy_from_logits(logits), loss_mask=mask, loss_agg_mode=mode,
+                             max_response_length=T)
+    kl, _ = algos.kl_loss(logp=logp, ref_logp=batch["ref_logp"], response_mask=mask, estimator="k3",
+                          loss_agg_mode=mode, max_response_length=T)
+    (pg - cfg.entropy_coeff * entropy + cfg.kl_loss_coef * kl).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _critic_loss_grads(model: torch.nn.Module, batch: Batch, mode: str) -> dict[str, torch.Tensor]:
+    loss, _ = algos.clipped_value_loss(vpreds=response_values(model, batch), values=batch["values"],
+                                       returns=batch["returns"], response_mask=batch["response_mask"],
+                                       clip_range_value=0.2, loss_agg_mode=mode, max_response_length=T)
+    loss.backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    assert set(got) == set(want), set(got) ^ set(want)
+    diff = torch.cat([(got[k].float() - want[k].float()).flatten() for k in sorted(want)])
+    norm = torch.cat([want[k].float().flatten() for k in sorted(want)]).norm()
+    assert norm > 0
+    return float(diff.norm() / norm)
+
+
+def spec(model_dir: Path, world: int) -> EngineSpec:
+    actor = ActorConfig(lr=1e-3, mini_batch_size=ROWS, micro_batch_size=ROWS, **ACTOR)
+    return EngineSpec(
+        run_id=f"grads-{world}", config_hash=f"grads-{world}", world_size=world, timeout_s=120,
+        policy=PolicySpec(model_path=str(model_dir), tokenizer_path=str(model_dir), actor=actor,
+                          rollout=RolloutConfig(max_new_tokens=T, temperature=TEMPERATURE)),
+        critic=CriticSpec(model_path=str(model_dir), max_response_length=T,
+                          critic=CriticConfig(mini_batch_size=ROWS, micro_batch_size=ROWS, clip_range_value=0.2)),
+    )
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
+def engine(request: pytest.FixtureRequest, ray_address: str, model_dir: Path) -> Iterator[Engine]:
+    eng = Engine.start(spec(model_dir, request.param))
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture(scope="module")
+def batch(model_dir: Path) -> Batch:
+    return make_batch(model_dir)
+
+
+@pytest.fixture(scope="module")
+def critic_head(engine: Engine) -> dict[str, torch.Tensor]:
+    """The critic's freshly initialised value head (seeded; the same on both engines)."""
+    return {k: v for k, v in engine.critic.call("full_weights")[0].items() if k.startswith("score.")}
+
+
+@pytest.mark.parametrize("mode", algos.LOSS_AGG_MODES)
+def test_actor_gradient_equals_one_process(engine: Engine, batch: Batch, model_dir: Path, mode: str) -> None:
+    want = plain_actor_gradients(model_dir, batch, mode)
+    for micro in MICRO_SIZES:
+        got = engine.policy.call("gradients", batch, mode="dp", micro_batch_size=micro, loss_agg_mode=mode)[0]
+        err = relative_error(got, want)
+        print(f"actor {mode} {engine.spec.world_size} rank(s) micro {micro}: relative error {err:.2e}")
+        assert err <= REL_TOL, (mode, micro, err)
+
+
+@pytest.mark.parametrize("mode", algos.LOSS_AGG_MODES)
+def test_critic_gradient_equals_one_process(engine: Engine, batch: Batch, model_dir: Path, mode: str,
+                                            critic_head: dict[str, torch.Tensor]) -> None:
+    model = AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1).eval()
+    with torch.no_grad():
+        for name, value in critic_head.items():
+            model.get_parameter(name).copy_(value)
+    want = _critic_loss_grads(model, batch, mode)
+    for micro in MICRO_SIZES:
+        got = engine.critic.call("gradients", batch, mode="dp", micro_batch_size=micro, loss_agg_mode=mode)[0]
+        err = relative_error(got, want)
+        print(f"critic {mode} {engine.spec.world_size} rank(s) micro {micro}: relative error {err:.2e}")
+        assert err <= REL_TOL, (mode, micro, err)
+
+
+@pytest.mark.parametrize("engine", [2], indirect=True, ids=["2ranks"])
+def test_ranks_issue_the_same_collectives_when_one_repeats_a_prompt(engine: Engine, batch: Batch,
+                                                                  model_dir: Path) -> None:
+    """Rank 0's micro-batch repeats prompts, rank 1's does not: both issue the same collectives (a
+    mismatch hangs FSDP2 or mixes data) and the log-probs and gradient equal one process."""
+    traced = engine.policy.call("collective_trace", "gradients", batch, mode="dp", loss_agg_mode="token-mean")
+    (grads, trace0), (_, trace1) = traced
+    assert len(trace0) > 10 and trace0 == trace1
+    assert relative_error(grads, plain_actor_gradients(model_dir, batch, "token-mean")) <= REL_TOL
+    traced = engine.policy.call("collective_trace", "compute_log_prob", batch, mode="dp", expected_version=0)
+    (out0, trace0), (out1, trace1) = traced
+    assert trace0 == trace1
+    plain = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        want = algos.logprobs_from_logits(response_logits(plain, batch, TEMPERATURE, False), batch["responses"])
+    got = torch.cat([out0["old_logp"], out1["old_logp"]])
+    mask = batch["response_mask"].bool()
+    assert float((got - want)[mask].abs().max()) <= 1e-5

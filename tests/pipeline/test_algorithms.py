@@ -1,0 +1,237 @@
+"""Every algorithm path through the flow at least once (`rlflow train`, real stack, 3 iterations of the
+tiny model), each asserting what its path must produce, from the run's own buffers and metrics; and
+in every run, each buffer holds exactly the columns its stage declares (flows/algorithms.py)."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine.algos import masked_mean, masked_whiten
+from engine.batch import Batch
+from flows.algorithms import stages_for
+from flows.config import load_config
+from tests.services import Cli
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+HERE = Path(__file__).resolve().parent
+REWARD = f"reward.function={HERE / 'rewards.py'}:digit_share"
+ITERATIONS, N, PROMPTS = 3, 4, 4
+
+
+def overrides(model: Path, root: Path, run_id: str, *extra: str) -> list[str]:
+    return [f"model.path={model}", f"storage.root={root}", f"trainer.run_id={run_id}", REWARD,
+            f"trainer.total_iterations={ITERATIONS}", f"trainer.save_every={ITERATIONS}", "trainer.val_every=0",
+            f"data.train_batch_size={PROMPTS}", f"rollout.n={N}", "actor.mini_batch_size=16",
+            "actor.micro_batch_size=8", "data.train_size=64", "data.val_size=8", "rollout.max_new_tokens=8",
+            "actor.lr=1e-3", *extra]
+
+
+class Run:
+    def __init__(self, root: Path, run_id: str, args: list[str]) -> None:
+        self.root, self.run_id, self.args = root, run_id, args
+
+    def metrics(self, iteration: int) -> dict[str, float]:
+        return json.loads((self.root / self.run_id / "metrics" / f"iter_{iteration:06d}.json").read_text())
+
+    def buffer(self, iteration: int, name: str) -> Batch:
+        return Batch.from_parquet(str(self.root / self.run_id / "buffers" / f"iter_{iteration:06d}" / f"{name}.parquet"))
+
+    def series(self, key: str) -> list[float]:
+        return [self.metrics(i)[key] for i in range(1, ITERATIONS + 1)]
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return load_file(self.root / self.run_id / "export" / f"step_{ITERATIONS:06d}" / "model.safetensors")
+
+
+def train(cli: Cli, root: Path, run_id: str, model: Path, *extra: str) -> Run:
+    args = overrides(model, root, run_id, *extra)
+    proc = cli("train", *args)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run = Run(root, run_id, args)
+    assert_buffers_are_the_declared_writes(run)
+    return run
+
+
+def assert_buffers_are_the_declared_writes(run: Run) -> None:
+    """The declared graph is the executed graph: every declared buffer exists with exactly its columns,
+    and no other buffer was written."""
+    stages = stages_for(load_config(None, run.args))
+    declared = {s.buffer: set(s.writes) for s in stages if s.buffer}
+    for i in range(1, ITERATIONS + 1):
+        folder = run.root / run.run_id / "buffers" / f"iter_{i:06d}"
+        assert {p.stem for p in folder.glob("*.parquet")} == set(declared)
+        for name, columns in declared.items():
+            assert set(pq.read_schema(folder / f"{name}.parquet").names) == columns, name
+
+
+def close(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor, atol: float = 1e-5) -> None:
+    assert float((a - b)[mask.bool()].abs().max()) <= atol
+
+
+def group_of(batch: Batch) -> torch.Tensor:
+    return batch["group_id"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("algorithms")
+
+
+@pytest.fixture(scope="module")
+def adaptive_kl_remax(cli: Cli, tiny_model_dir: Path, root: Path) -> Run:
+    return train(cli, root, "remax-kl", tiny_model_dir, *REMAX_KL)
+
+
+REMAX_KL = ("algorithm.adv_estimator=remax", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl=adaptive",
+            "algorithm.kl_coef=0.05", "algorithm.kl_target=1.0", "algorithm.kl_horizon=100")
+
+
+def test_kl_loss_entropy_bonus_and_gspo(cli: Cli, tiny_model_dir: Path, root: Path) -> None:
+    """The reference is the initial policy: at iteration 1 ref_logp equals old_logp, later it does not
+    and the KL loss is positive; the entropy bonus is in the loss that was minimised; GSPO clips."""
+    run = train(cli, root, "kl-entropy-gspo", tiny_model_dir, "actor.use_kl_loss=true", "actor.kl_loss_coef=0.1",
+                "actor.entropy_coeff=0.01", "actor.policy_loss=gspo", "actor.loss_agg_mode=seq-mean-token-mean",
+                "actor.ppo_epochs=2", "actor.clip_low=0.001", "actor.clip_high=0.001")
+    mask = run.buffer(1, "rollout")["response_mask"]
+    close(run.buffer(1, "ref_logprob")["ref_logp"], run.buffer(1, "old_logprob")["old_logp"], mask, atol=1e-6)
+    later = run.buffer(2, "rollout")["response_mask"].bool()
+    assert float((run.buffer(2, "ref_logprob")["ref_logp"] - run.buffer(2, "old_logprob")["old_logp"])[later]
+                 .abs().max()) > 1e-3
+    for i in range(1, ITERATIONS + 1):
+        m = run.metrics(i)
+        assert m["actor/entropy"] > 0
+        assert m["actor/loss"] == pytest.approx(m["actor/pg_loss"] - 0.01 * m["actor/entropy"]
+                                                + 0.1 * m["actor/kl_loss"], rel=1e-5, abs=1e-7)
+    assert run.metrics(2)["actor/kl_loss"] > 0 and run.metrics(3)["actor/kl_loss"] > 0
+    assert max(run.series("actor/pg_clipfrac")) > 0  # the second PPO epoch's ratios leave the clip range
+
+
+def test_adaptive_kl_in_the_reward_and_remax_baseline(adaptive_kl_remax: Run) -> None:
+    """The in-reward KL is positive once the policy moved; the adaptive coefficient follows its
+    controller (KL below target: it falls); ReMax's advantage is reward-to-go minus the greedy
+    baseline's reward, which is constant within a group."""
+    run = adaptive_kl_remax
+    coefs, kls = run.series("actor/kl_coef"), run.series("actor/reward_kl_penalty")
+    assert coefs[0] == 0.05 and kls[0] == pytest.approx(0.0, abs=1e-6) and kls[1] > 0
+    for k in range(1, ITERATIONS):  # beta <- beta * (1 + clip(kl / target - 1, +-0.2) * n / horizon)
+        error = min(max(kls[k - 1] / 1.0 - 1, -0.2), 0.2)
+        assert coefs[k] == pytest.approx(coefs[k - 1] * (1 + error * PROMPTS * N / 100), rel=1e-12)
+        assert coefs[k] < coefs[k - 1]
+    for i in range(1, ITERATIONS + 1):
+        adv, baseline = run.buffer(i, "advantage"), run.buffer(i, "baseline_reward")["baseline_score"]
+        mask = adv["response_mask"]
+        to_go = (adv["token_rewards"] * mask).flip(-1).cumsum(-1).flip(-1)
+        close(adv["adv"], to_go - baseline.unsqueeze(1), mask)
+        assert torch.equal(baseline.view(PROMPTS, N), baseline.view(PROMPTS, N)[:, :1].expand(PROMPTS, N))
+        assert set(run.buffer(i, "baseline").keys()) == {"baseline_responses", "baseline_response_mask",
+                                                          "baseline_response_text"}
+
+
+def test_adaptive_kl_killed_and_resumed_has_the_same_kl_coef_series(cli: Cli, tiny_model_dir: Path, root: Path,
+                                                                     adaptive_kl_remax: Run) -> None:
+    args = overrides(tiny_model_dir, root, "remax-kl-killed", *REMAX_KL,
+                     "debug.kill_flow_after=compute_advantages", "debug.kill_iteration=2")
+    first = cli("train", *args)
+    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+    resumed = cli("train", "--resume", "remax-kl-killed", f"storage.root={root}")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    run = Run(root, "remax-kl-killed", args)
+    assert run.series("actor/kl_coef") == adaptive_kl_remax.series("actor/kl_coef")  # to the bit
+    got, want = run.weights(), adaptive_kl_remax.weights()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_rloo(cli: Cli, tiny_model_dir: Path, root: Path) -> None:
+    """adv = r_i - the mean of the other responses of its prompt."""
+    run = train(cli, root, "rloo", tiny_model_dir, "algorithm.adv_estimator=rloo")
+    for i in range(1, ITERATIONS + 1):
+        adv, score = run.buffer(i, "advantage"), run.buffer(i, "reward")["score"]
+        per_group = score.view(PROMPTS, N)
+        others = (per_group.sum(1, keepdim=True) - per_group) / (N - 1)
+        close(adv["adv"], (per_group - others).flatten().unsqueeze(1).expand_as(adv["adv"]), adv["response_mask"])
+
+
+def test_reinforce_plus_plus(cli: Cli, tiny_model_dir: Path, root: Path) -> None:
+    """REINFORCE++: the reward-to-go (gamma 1: the outcome score at every token), whitened over the batch."""
+    run = train(cli, root, "rpp", tiny_model_dir, "algorithm.adv_estimator=reinforce_plus_plus")
+    for i in range(1, ITERATIONS + 1):
+        adv, score = run.buffer(i, "advantage"), run.buffer(i, "reward")["score"]
+        mask = adv["response_mask"]
+        close(adv["returns"], score.unsqueeze(1).expand_as(mask).float(), mask)
+        close(adv["adv"], masked_whiten(adv["returns"], mask), mask)
+        assert abs(float(masked_mean(adv["adv"], mask))) < 1e-5
+
+
+def test_dr_grpo_with_a_user_stage_as_second_reward(cli: Cli, tiny_model_dir: Path, root: Path) -> None:
+    """Dr. GRPO: adv = r - the group mean (no std), Dr. GRPO's loss normalizer; the reward r is the rule
+    score plus 0.5 x the `brevity` stage declared in tests/pipeline/stages.py (no edit of the flow)."""
+    run = train(cli, root, "dr-grpo", tiny_model_dir, "algorithm.adv_estimator=dr_grpo",
+                "actor.loss_agg_mode=seq-mean-token-sum-norm", f"algorithm.extra_stages={HERE / 'stages.py'}:brevity")
+    for i in range(1, ITERATIONS + 1):
+        adv, rule = run.buffer(i, "advantage"), run.buffer(i, "reward")["score"]
+        brevity = run.buffer(i, "brevity")["brevity"]
+        combined = (rule + 0.5 * brevity).view(PROMPTS, N)
+        centred = (combined - combined.mean(1, keepdim=True)).flatten()
+        close(adv["adv"], centred.unsqueeze(1).expand_as(adv["adv"]), adv["response_mask"])
+        assert float(adv["token_scores"].sum()) == pytest.approx(float((rule + 0.5 * brevity).sum()), rel=1e-5)
+        m = run.metrics(i)
+        assert m["reward/brevity/mean"] == pytest.approx(float(brevity.mean()), rel=1e-6)
+        assert m["critic/score/mean"] == pytest.approx(float(combined.mean()), rel=1e-5)
+
+
+def test_a_stage_reading_a_column_nobody_writes_is_refused_before_launch(cli: Cli, tiny_model_dir: Path,
+                                                                          tmp_path: Path) -> None:
+    proc = cli("train", *overrides(tiny_model_dir, tmp_path, "refused",
+                                   f"algorithm.extra_stages={HERE / 'stages.py'}:reads_a_column_nobody_writes"))
+    assert proc.returncode != 0
+    assert ("stage reads_a_column_nobody_writes reads politeness, which no earlier stage writes"
+            in proc.stderr), proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "refused").exists()
+
+
+# Fields no pipeline run reads, each with the reason it is not a setting of the numbers.
+OPERATIONAL = {
+    "storage": "where results go and how storage is reached (tests/infra)",
+    "ray": "which Ray cluster and namespace (tests/stack)",
+    "debug": "faults injected by tests (tests/ops)",
+}
+
+
+def test_every_config_field_is_read(cli: Cli, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """No setting accepted and ignored: one run that takes every path of the config (PPO with a critic,
+    KL in the reward with the adaptive controller and as a loss, an entropy bonus, validation, a user
+    stage) records every field it reads, in every process (flow, stage workers, engine ranks); each
+    field of the engine and trainer sections must be among them. Operational sections are named above
+    and checked to be referenced by the code."""
+    import subprocess
+
+    from flows.config import RLConfig
+
+    reads = tmp_path / "reads"
+    reads.mkdir()
+    args = overrides(tiny_model_dir, tmp_path, "every-field", "critic.enable=true", "algorithm.adv_estimator=gae",
+                     "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl=adaptive", "actor.use_kl_loss=true",
+                     "actor.entropy_coeff=0.01", "trainer.val_every=2", "trainer.total_iterations=2",
+                     f"algorithm.extra_stages={HERE / 'stages.py'}:brevity", "trainer.iterations_per_run=2")
+    proc = cli("train", "configs/tiny_ppo.yaml", *args, env={"RLFLOW_CONFIG_READS": str(reads)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    read = {line for path in reads.glob("reads-*.txt") for line in path.read_text().split()}
+    unread = []
+    for section, field in RLConfig.model_fields.items():
+        model = field.annotation
+        for name in model.model_fields:  # type: ignore[union-attr]
+            if section in OPERATIONAL:
+                used = subprocess.run(["grep", "-rqE", rf"\.{name}\b", "engine", "tasks", "flows", "infra"],
+                                      cwd=HERE.parents[1], check=False)
+                assert used.returncode == 0, f"{section}.{name} is referenced nowhere"
+            elif f"{model.__name__}.{name}" not in read:  # type: ignore[union-attr]
+                unread.append(f"{section}.{name}")
+    assert not unread, f"settings accepted and never read: {unread}"
