@@ -1,19 +1,21 @@
-"""Benchmark: a ~200 MB checkpoint through the store vs raw s3fs put/get, on a local S3 server.
+"""Benchmark: the checkpoint path training takes, against raw s3fs on the same bytes and endpoint.
 
-    python bench/store_checkpoint.py [--mb 200] [--shards 8] [--repeats 5]
+    python bench/store_checkpoint.py [--hidden 1024] [--layers 4] [--repeats 3]
 
-A (store):  begin -> put_dir (parallel uploads, sha256 computed while uploading) -> trainer.json ->
-            commit (MANIFEST from the hashes, LATEST, retention); read = fetch (parallel download,
-            sha256 of every file checked against the manifest).
-B (raw):    s3fs `put(local_dir, remote, recursive=True)` / `get(remote, local_dir, recursive=True)`
-            of the same files, on the same endpoint, with s3fs/botocore defaults.
-C (raw, no CRC): B with botocore's per-request CRC checksums off, as the store has them for
-            checkpoint files (their sha256 in MANIFEST verifies them end to end instead): the
-            like-for-like transfer baseline, to show what the store's own work costs.
+A 2-rank FSDP2 engine holds a Llama of about 200 MB of fp32 weights (hidden 1024, MLP 2816, 4 layers;
+the checkpoint with AdamW's two moments is ~3x that). On a local S3 server (python -m infra.s3server):
 
-The variants rotate (A B C, B C A, C A B, ...) so that drift of a shared machine hits all of them;
-medians are reported, with MB/s and the ratio store/raw (goal: >= 0.8x). It starts its own S3 server
-(python -m infra.s3server).
+  save (store):    CheckpointStore.begin -> Engine.save (every rank writes its DCP shards and hashes
+                   them as they go out) -> trainer.json -> commit (MANIFEST from the ranks' hashes,
+                   LATEST, retention): what the save_checkpoint stage runs.
+  restore (store): flows.train.restore: the manifest and a listing, then Engine.load, every rank reading
+                   each of its files once and verifying its sha256 as it reads, into the FSDP shards,
+                   the optimizer, and the rollout copy: what the train flow runs after a crash.
+  raw s3fs:        `put(local_dir, remote, recursive=True)` / `get(remote, local_dir, recursive=True)` of
+                   the same files (a copy of that checkpoint), s3fs/botocore defaults.
+
+Store and raw alternate (A B, B A, ...); medians, MB/s of the checkpoint's bytes, and the ratio
+store / raw (goal: >= 0.8x each way).
 """
 
 from __future__ import annotations
@@ -31,10 +33,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from infra.checkpoints import CheckpointStore  # noqa: E402
-from infra.s3server import env_for  # noqa: E402
-from infra.store import ObjectStore  # noqa: E402
-
 BUCKET = "bench"
 
 
@@ -44,35 +42,11 @@ def start_server() -> tuple[subprocess.Popen, str]:
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith("endpoint "):
+            import threading
+
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
             return proc, line.split()[1]
     raise RuntimeError("the S3 server did not start")
-
-
-def make_shards(folder: Path, total_mb: int, shards: int) -> int:
-    size = total_mb * 2**20 // shards
-    for i in range(shards):
-        (folder / f"__{i}_0.distcp").write_bytes(os.urandom(size))
-    (folder / ".metadata").write_bytes(os.urandom(4096))
-    return sum(p.stat().st_size for p in folder.iterdir())
-
-
-def store_write(ckpts: CheckpointStore, step: int, src: Path) -> None:
-    ckpts.begin(step)
-    ckpts.put_dir(step, str(src), rel="policy")
-    ckpts.write_trainer_state(step, {"iteration": step})
-    ckpts.commit(step)
-
-
-def store_read(ckpts: CheckpointStore, step: int, dst: Path) -> None:
-    ckpts.fetch(step, str(dst))
-
-
-def raw_write(fs, src: Path, remote: str) -> None:
-    fs.put(str(src) + "/", remote + "/", recursive=True)
-
-
-def raw_read(fs, remote: str, dst: Path) -> None:
-    fs.get(remote + "/", str(dst) + "/", recursive=True)
 
 
 def timed(fn) -> float:
@@ -83,59 +57,84 @@ def timed(fn) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mb", type=int, default=200)
-    parser.add_argument("--shards", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+
+    from infra.s3server import env_for
 
     proc, endpoint = start_server()
     os.environ.update(env_for(endpoint))
     work = Path(tempfile.mkdtemp(prefix="rlflow-bench-"))
+    import ray
+
+    ray.init(num_cpus=4, namespace="rlflow", log_to_driver=False, include_dashboard=False,
+             runtime_env={"env_vars": {k: os.environ[k] for k in env_for(endpoint)}})
+    engine = None
     try:
         import s3fs
 
-        src = work / "src"
-        src.mkdir()
-        total = make_shards(src, args.mb, args.shards)
-        mb = total / 2**20
+        from engine.config import ActorConfig
+        from engine.engine import Engine, EngineSpec
+        from engine.tiny import TinyShape, build_tiny
+        from engine.workers.policy import PolicySpec
+        from flows.train import restore
+        from infra.checkpoints import CheckpointStore
+        from infra.store import ObjectStore
+
+        model = work / "model"
+        build_tiny(model, task="sort", seed=0, steps=0, shape=TinyShape(
+            hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4, num_hidden_layers=args.layers,
+            num_attention_heads=8))
+        weights_mb = (model / "model.safetensors").stat().st_size / 2**20
+        spec = EngineSpec(run_id="bench-ckpt", config_hash="bench", world_size=2, num_cpus_per_rank=1.0,
+                          policy=PolicySpec(model_path=str(model), tokenizer_path=str(model), actor=ActorConfig()))
+        engine = Engine.start(spec)
         store = ObjectStore(f"s3://{BUCKET}/store")
+        opts = store.storage_options()
         ckpts = CheckpointStore(store, "bench", keep_last=1)
         fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
-        fs_nocrc = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, config_kwargs={
-            "request_checksum_calculation": "when_required", "response_checksum_validation": "when_required"})
-        print(f"{mb:.0f} MB in {args.shards} shards + .metadata, {args.repeats} repeats, endpoint {endpoint}")
 
-        kinds = ("store", "raw", "raw_nocrc")
-        times: dict[str, list[float]] = {f"{k}_{op}": [] for k in kinds for op in ("write", "read")}
-        store_write(ckpts, 0, src)  # warm-up: connections, imports
-        raw_write(fs, src, f"{BUCKET}/raw/warm")
-        raw_write(fs_nocrc, src, f"{BUCKET}/raw/warm")
+        def store_save(step: int) -> None:
+            written = engine.save(ckpts.begin(step), opts)
+            ckpts.write_trainer_state(step, {"iteration": step})
+            ckpts.commit(step, written)
+
+        def store_restore() -> None:
+            assert restore(engine, ckpts, opts) is not None
+
+        store_save(1)  # warm-up; and a copy of the same files for raw s3fs
+        local = work / "copy"
+        ckpts.fetch(1, str(local))
+        total = sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
+        mb = total / 2**20
+        print(f"model {weights_mb:.0f} MB of fp32 weights; checkpoint {mb:.0f} MB in "
+              f"{sum(1 for p in local.rglob('*') if p.is_file())} files; 2 ranks; endpoint {endpoint}")
+        store_restore()
+        times: dict[str, list[float]] = {k: [] for k in ("store_save", "store_restore", "raw_put", "raw_get")}
         for rep in range(1, args.repeats + 1):
-            order = kinds[rep % 3:] + kinds[:rep % 3]
-            for kind in order:
-                dst = work / f"out-{kind}-{rep}"
+            for kind in (("store", "raw") if rep % 2 else ("raw", "store")):
                 if kind == "store":
-                    times["store_write"].append(timed(lambda: store_write(ckpts, rep, src)))
-                    times["store_read"].append(timed(lambda: store_read(ckpts, rep, dst)))
+                    times["store_save"].append(timed(lambda: store_save(rep + 1)))
+                    times["store_restore"].append(timed(store_restore))
                 else:
-                    client = fs if kind == "raw" else fs_nocrc
-                    remote = f"{BUCKET}/{kind}/{rep}"
-                    times[f"{kind}_write"].append(timed(lambda: raw_write(client, src, remote)))
-                    times[f"{kind}_read"].append(timed(lambda: raw_read(client, remote, dst)))
-                    client.rm(remote, recursive=True)
-                shutil.rmtree(dst)
+                    remote = f"{BUCKET}/raw/{rep}"
+                    dst = work / f"raw-{rep}"
+                    times["raw_put"].append(timed(lambda: fs.put(str(local) + "/", remote + "/", recursive=True)))
+                    times["raw_get"].append(timed(lambda: fs.get(remote + "/", str(dst) + "/", recursive=True)))
+                    fs.rm(remote, recursive=True)
+                    shutil.rmtree(dst)
             print(f"  repeat {rep}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()), flush=True)
-
         med = {k: statistics.median(v) for k, v in times.items()}
         print()
-        header = f"{'':12}{'store MB/s':>12}{'raw MB/s':>10}{'store/raw':>11}{'raw-noCRC':>11}{'store/noCRC':>13}"
-        print(header)
-        for op in ("write", "read"):
-            st, r, c = (mb / med[f"{k}_{op}"] for k in kinds)
-            print(f"{op:12}{st:12.0f}{r:10.0f}{st / r:10.2f}x{c:11.0f}{st / c:12.2f}x")
-        st, r, c = (2 * mb / (med[f"{k}_write"] + med[f"{k}_read"]) for k in kinds)
-        print(f"{'write+read':12}{st:12.0f}{r:10.0f}{st / r:10.2f}x{c:11.0f}{st / c:12.2f}x")
+        print(f"{'':10}{'store MB/s':>12}{'raw MB/s':>10}{'store/raw':>11}")
+        for op, (ours, raw) in (("save", ("store_save", "raw_put")), ("restore", ("store_restore", "raw_get"))):
+            print(f"{op:10}{mb / med[ours]:12.0f}{mb / med[raw]:10.0f}{med[raw] / med[ours]:10.2f}x")
     finally:
+        if engine is not None:
+            engine.stop()
+        ray.shutdown()
         shutil.rmtree(work, ignore_errors=True)
         proc.terminate()
         proc.wait(10)

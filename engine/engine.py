@@ -139,19 +139,30 @@ class Engine:
         return metrics
 
     # -- state -------------------------------------------------------------------------------------
-    def save(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
-        """Sharded state of every group into `url`/<role>/ (the checkpoint's staging location)."""
+    def save(self, url: str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Sharded state of every group into `url`/<role>/ (the checkpoint's staging location). Returns
+        every file written (path relative to `url`, size, sha256 taken while writing), for the commit."""
         opts = storage_options or {}
-        self.policy.call("save", f"{url.rstrip('/')}/policy", opts)
-        if self.critic is not None:
-            self.critic.call("save", f"{url.rstrip('/')}/critic", opts)
+        files = []
+        for role, group in self._groups():
+            for records in group.call("save", f"{url.rstrip('/')}/{role}", opts):
+                files += [{**r, "path": f"{role}/{r['path']}"} for r in records]
+        return files
 
-    def load(self, url: str, storage_options: dict[str, Any] | None = None) -> int:
+    def load(self, url: str, storage_options: dict[str, Any] | None = None,
+             expected: dict[str, tuple[int, str]] | None = None) -> int:
+        """Restore every group from `url`/<role>/. `expected`: path (relative to `url`) -> (size, sha256)
+        of the checkpoint's files (its manifest): each is verified as the ranks read it, and a mismatch
+        raises CheckpointCorruptError (the engine's state is then undefined: load another checkpoint)."""
         opts = storage_options or {}
-        self.policy.call("load", f"{url.rstrip('/')}/policy", opts)
-        if self.critic is not None:
-            self.critic.call("load", f"{url.rstrip('/')}/critic", opts)
+        for role, group in self._groups():
+            mine = None if expected is None else \
+                {k[len(role) + 1:]: v for k, v in expected.items() if k.startswith(f"{role}/")}
+            group.call("load", f"{url.rstrip('/')}/{role}", opts, mine)
         return self.version()
+
+    def _groups(self) -> list[tuple[str, WorkerGroup]]:
+        return [("policy", self.policy)] + ([("critic", self.critic)] if self.critic is not None else [])
 
     def export_hf(self, url: str, storage_options: dict[str, Any] | None = None) -> str:
         """Hugging Face format (save_pretrained + tokenizer) of the current policy at `url`."""

@@ -177,7 +177,7 @@ def zero_dropout(model: torch.nn.Module) -> torch.nn.Module:
     (attention modules read `self.attention_dropout` at call time) become 0: what a config override
     cannot reach (remote code, hard-coded rates) is caught here."""
     for module in model.modules():
-        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+        if isinstance(module, _DROPOUTS):
             module.p = 0.0
         for key, value in list(vars(module).items()):
             if _is_dropout_name(key) and isinstance(value, float):
@@ -188,7 +188,7 @@ def zero_dropout(model: torch.nn.Module) -> torch.nn.Module:
 def dropout_left(model: torch.nn.Module) -> list[str]:
     """Where `model` would still drop anything: modules or config keys with a positive rate."""
     found = [f"{name or type(model).__name__}.p={m.p}" for name, m in model.named_modules()
-             if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0]
+             if isinstance(m, _DROPOUTS) and m.p > 0]
     for name, module in model.named_modules():
         found += [f"{name}.{k}={v}" for k, v in vars(module).items()
                   if _is_dropout_name(k) and isinstance(v, float) and v > 0]
@@ -197,6 +197,10 @@ def dropout_left(model: torch.nn.Module) -> list[str]:
         found += [f"config.{k}={v}" for cfg in _configs(config) for k, v in vars(cfg).items()
                   if _is_dropout_name(k) and isinstance(v, float) and v > 0]
     return found
+
+
+_DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
+             torch.nn.FeatureAlphaDropout)
 
 
 def _is_dropout_name(key: str) -> bool:

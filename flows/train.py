@@ -30,6 +30,7 @@ from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY
 from prefect_ray.context import remote_options
 
 from engine.advantage import make_kl_controller
+from engine.checkpoint_io import CheckpointCorruptError
 from engine.engine import Engine
 from engine.errors import EngineDeadError, VersionMismatchError
 from flows import progress, report
@@ -37,7 +38,8 @@ from flows.config import RLConfig
 from flows.loggers import MetricLoggers, require_packages, run_log_dir
 from flows.plan import OpenRun, open_run, resolve_config
 from infra.buffers import load_ref
-from infra.checkpoints import CheckpointStore
+from infra.checkpoints import CheckpointStore, Manifest
+from infra.errors import IntegrityError
 from tasks.context import RunPlan, context
 from tasks.faults import maybe_kill_flow
 from tasks.runner import StageTaskRunner
@@ -284,14 +286,25 @@ def reconcile(trainer: Trainer) -> tuple[Engine, int]:
         logger.info("no live engine (%s): starting one", err)
     Engine.stop_run(plan.run_id, plan.engine.namespace)
     engine = Engine.start(plan.engine)
-    ckpts = _checkpoint_store(trainer)
-    step = ckpts.resolve_loadable() if finished else None
+    step = restore(engine, _checkpoint_store(trainer), run.store.storage_options()) if finished else None
     if step:
-        engine.load(ckpts.step_url(step), run.store.storage_options())
         logger.info("restored checkpoint step %d", step)
     for iteration in range(1 + (step or 0), finished + 1):
         replay(trainer, iteration)
     return engine, finished + 1
+
+
+def restore(engine: Engine, ckpts: CheckpointStore, storage_options: dict[str, Any]) -> int | None:
+    """Load the newest committed checkpoint into the engine, each file verified against the manifest as
+    the ranks read it (one read of every byte); a corrupt one falls back to the one before."""
+    def load(step: int, manifest: Manifest) -> None:
+        expected = {f.path: (f.size, f.sha256) for f in manifest.files}
+        try:
+            engine.load(ckpts.step_url(step), storage_options, expected)
+        except CheckpointCorruptError as err:
+            raise IntegrityError(str(err)) from None
+
+    return ckpts.restore(load)
 
 
 def replay(trainer: Trainer, iteration: int) -> None:

@@ -3,40 +3,40 @@
 The protocol the engine uses (DESIGN.md "Object storage"):
 
     ckpts = CheckpointStore(store, run_id, keep_last=3, keep_every=0)
-    ckpts.begin(7)                                   # clears leftovers of a crashed save of step 7
-    dcp.save(state, storage_writer=ckpts.writer(7, "policy"))    # every rank: its shards
-    ckpts.write_trainer_state(7, {"iteration": 7, ...})          # rank 0
-    ckpts.commit(7)                                  # rank 0, after a barrier: MANIFEST, then LATEST
+    url = ckpts.begin(7)                             # clears leftovers of a crashed save of step 7
+    written = engine.save(url)                       # every rank: its shards, hashed while written
+    ckpts.write_trainer_state(7, {"iteration": 7, ...})
+    ckpts.commit(7, written)                         # MANIFEST from those hashes, then LATEST
     ...
-    loaded = ckpts.load_latest()                     # newest committed step that verifies
-    dcp.load(state, storage_reader=ckpts.reader(loaded.step, "policy"))
+    step = ckpts.restore(lambda step, manifest: engine.load(ckpts.step_url(step), expected=...))
+                                                     # newest committed step whose files verify as read
 
 The commit rule: a step folder without MANIFEST.json does not exist. MANIFEST lists every file under
 the step with its size and sha256 and is written last (atomically), LATEST after it. A crash at any
 point before the MANIFEST write leaves the previous committed step as the latest; its folder is
 ignored, and removed by the next `begin` of that step or by retention.
 
-Hashing costs no extra pass over the data: the store's own writers (`writer()` for dcp,
-`write_bytes`, `put_file`, `put_dir`) hash while uploading, on a second thread, and leave a small
-record (`.sha256/<random>.json`: path, size, sha256 of the files of that call; one per call, so
-ranks never collide) that `commit` collects; a file without a record of its size is read back and
-hashed at commit. Loading verifies every file against the manifest (`fetch` downloads and verifies
-in one pass); a step that fails is skipped with a warning that names the bad file, and the previous
+Hashing costs no extra pass over the data: the engine's ranks hash what they write
+(engine/checkpoint_io.py) and hand the records to `commit`; the store's own writers (`write_bytes`,
+`put_file`, `put_dir`) hash while uploading, on a second thread, and leave a small record
+(`.sha256/<random>.json`: path, size, sha256 of the files of that call; one per call, so writers never
+collide) that `commit` collects. Only a file without a record of its size is read back and hashed at
+commit. Loading verifies every file against the manifest as it is read: `restore` hands the manifest
+to the loader (the engine's ranks check each file they read), `fetch` downloads and verifies in one
+pass; a step that fails is skipped with a warning that names the bad file, and the previous
 committed step is used.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -183,45 +183,14 @@ class CheckpointStore:
             body = json.dumps({"files": [e.model_dump() for e in entries]}).encode()
             self.store.put_bytes(self.step_key(step, f"{HASH_DIR}/{uuid.uuid4().hex}.json"), body)
 
-    def writer(self, step: int, subdir: str = "policy", **kwargs: Any) -> Any:
-        """A torch.distributed.checkpoint StorageWriter for `step/subdir` that hashes as it
-        writes: FileSystemWriter for a local root, FsspecWriter (with this store's endpoint and
-        credentials) for S3. `kwargs` go to the writer (thread_count, ...)."""
-        from torch.distributed.checkpoint import FileSystemWriter
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        base = self.step_url(step, subdir)
-        if self.store.protocol == "file":
-            writer = FileSystemWriter(base, **kwargs)
-        else:
-            kwargs.setdefault("sync_files", False)  # no fsync on an object store
-            writer = FsspecWriter(base, **kwargs, **self.store.storage_options())
-        prefix = subdir.strip("/")
-        # A renamed file (dcp writes .metadata.tmp, then renames it) gets a record under its new
-        # name; the record of the old name then matches no file and is ignored.
-        writer.fs = _HashingFileSystem(  # type: ignore[assignment]  # duck-typed wrapper
-            writer.fs, base,
-            on_written=lambda entry: self._record(step, [entry.model_copy(update={"path": f"{prefix}/{entry.path}"})]),
-        )  # fmt: skip
-        return writer
-
-    def reader(self, step: int, subdir: str = "policy", base_url: str | None = None) -> Any:
-        """A StorageReader for `step/subdir` in the store, or under `base_url` (a `fetch` copy)."""
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        if base_url is not None:
-            return FileSystemReader(os.path.join(base_url, subdir))
-        if self.store.protocol == "file":
-            return FileSystemReader(self.step_url(step, subdir))
-        return FsspecReader(self.step_url(step, subdir), **self.store.storage_options())
-
     # --------------------------------------------------------------- commit
 
-    def commit(self, step: int) -> Manifest:
+    def commit(self, step: int, written: list[dict[str, Any]] | None = None) -> Manifest:
         """Write MANIFEST.json (every file under the step: path, size, sha256), then LATEST, then
-        apply retention. Files without a matching hash record are read back and hashed here.
-        Committing a committed step again (a retried task) only makes sure LATEST was written."""
+        apply retention. `written`: records (path relative to the step, size, sha256) of files hashed
+        as they were written elsewhere (the engine's ranks). Files without a matching record are read
+        back and hashed here. Committing a committed step again (a retried task) only makes sure
+        LATEST was written."""
         prefix = self.step_key(step)
         objects = self.store.list(prefix)
         if any(_rel(o, prefix) == layout.MANIFEST for o in objects):
@@ -234,6 +203,9 @@ class CheckpointStore:
         if not files:
             raise StoreError(f"nothing to commit: no files under {self.step_url(step)} (call begin and write first)")
         known: dict[str, set[tuple[int, str]]] = {}
+        for e in written or []:
+            if e.get("sha256"):
+                known.setdefault(e["path"], set()).add((int(e["size"]), e["sha256"]))
         for data in self.store.map_parallel(self.store.get_bytes, records):
             for e in json.loads(data)["files"]:
                 known.setdefault(e["path"], set()).add((int(e["size"]), e["sha256"]))
@@ -312,12 +284,7 @@ class CheckpointStore:
     def verify(self, step: int) -> Manifest:
         """Check every file of `step` against its manifest, in place. `IntegrityError` names the
         first bad file (missing, wrong size, or wrong sha256)."""
-        manifest = self.read_manifest(step)
-        sizes = {_rel(o, self.step_key(step)): o.size for o in self.store.list(self.step_key(step))}
-        for entry in manifest.files:
-            if entry.path not in sizes:
-                raise IntegrityError(f"{self.step_url(step, entry.path)} is missing (listed in the manifest)")
-            self._check(step, entry, sizes[entry.path], None)
+        manifest = self.check_listing(step)
 
         def check(entry: FileEntry) -> None:
             size, sha = self._hash_stored(self.step_key(step, entry.path), entry.size)
@@ -352,6 +319,31 @@ class CheckpointStore:
 
         self.store.map_parallel(get, manifest.files)
         return manifest
+
+    def check_listing(self, step: int) -> Manifest:
+        """The manifest of `step`, with every file it lists present at its size (a listing: nothing is
+        read). The contents are verified by whoever reads them (`restore`)."""
+        manifest = self.read_manifest(step)
+        sizes = {_rel(o, self.step_key(step)): o.size for o in self.store.list(self.step_key(step))}
+        for entry in manifest.files:
+            if entry.path not in sizes:
+                raise IntegrityError(f"{self.step_url(step, entry.path)} is missing (listed in the manifest)")
+            self._check(step, entry, sizes[entry.path], None)
+        return manifest
+
+    def restore(self, load: Callable[[int, Manifest], None]) -> int | None:
+        """Load the newest committed step through `load(step, manifest)`, which must verify each file
+        against the manifest as it reads it and raise IntegrityError on a mismatch: every byte is read
+        once. A step that fails is skipped with a warning naming the bad file, and the next older one
+        is loaded. Returns the step loaded, or None (nothing committed, or nothing verifies)."""
+
+        def attempt(step: int) -> Manifest:
+            manifest = self.check_listing(step)
+            load(step, manifest)
+            return manifest
+
+        found = self._first_good(attempt)
+        return found[0] if found else None
 
     def resolve_loadable(self) -> int | None:
         """The newest committed step that verifies; warns naming the bad file for each skipped one."""
@@ -425,89 +417,3 @@ class CheckpointStore:
 
 def _rel(obj: ObjectInfo, prefix: str) -> str:
     return obj.key[len(prefix) + 1:]
-
-
-# ========================================================== hashing dcp writes
-
-
-class _HashingFileSystem:
-    """Wraps a dcp FileSystem: streams opened for writing are hashed as they are written, and a
-    FileEntry (path relative to `base`, size, sha256) is reported when each closes."""
-
-    def __init__(self, inner: Any, base: str, on_written: Callable[[FileEntry], None]) -> None:
-        self._inner, self._base, self._on_written = inner, str(base).rstrip("/"), on_written
-        self._written: dict[str, FileEntry] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def _rel(self, path: Any) -> str:
-        text = str(path)
-        return text[len(self._base) + 1:] if text.startswith(self._base + "/") else os.path.basename(text)
-
-    @contextmanager
-    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-        with self._inner.create_stream(path, mode) as stream:
-            if "w" not in mode:
-                yield stream
-                return
-            hashing = _HashingStream(stream)
-            yield hashing
-        if hashing.valid:
-            entry = FileEntry(path=self._rel(path), size=hashing.size, sha256=hashing.hexdigest())
-            self._written[entry.path] = entry
-            self._on_written(entry)
-
-    def rename(self, path: Any, new_path: Any) -> None:
-        self._inner.rename(path, new_path)
-        old = self._written.pop(self._rel(path), None)
-        if old is not None:
-            self._on_written(old.model_copy(update={"path": self._rel(new_path)}))
-
-
-class _HashingStream(io.RawIOBase):
-    """Forwards writes to `inner` and hashes them. A seek makes the hash unusable (the file is then
-    hashed at commit instead)."""
-
-    def __init__(self, inner: Any) -> None:
-        super().__init__()
-        self._inner = inner
-        self._h = hashlib.sha256()
-        self.size = 0
-        self.valid = True
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        written = self._inner.write(view)
-        written = len(view) if written is None else written
-        self._h.update(view[:written])
-        self.size += written
-        return written
-
-    def tell(self) -> int:
-        return int(self._inner.tell())
-
-    def seekable(self) -> bool:
-        return bool(self._inner.seekable())
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self.valid = False
-        return int(self._inner.seek(offset, whence))
-
-    def flush(self) -> None:
-        if not getattr(self._inner, "closed", False):
-            self._inner.flush()
-
-    def fileno(self) -> int:
-        return int(self._inner.fileno())
-
-    def close(self) -> None:
-        if not self.closed:
-            self._inner.close()
-        super().close()
-
-    def hexdigest(self) -> str:
-        return self._h.hexdigest()

@@ -395,10 +395,10 @@ def save_checkpoint(plan: RunPlan, iteration: int, trainer_state: dict[str, Any]
         return StageResult(metrics={}, reused=True)
     start = time.perf_counter()
     staging = ckpts.begin(iteration)
-    ctx.engine().save(staging, ctx.store.storage_options())
+    written = ctx.engine().save(staging, ctx.store.storage_options())  # hashed by the ranks as they wrote
     maybe_kill_uploader(ctx, iteration)
     ckpts.write_trainer_state(iteration, trainer_state)
-    ckpts.commit(iteration)  # MANIFEST, then LATEST, then retention
+    ckpts.commit(iteration, written)  # MANIFEST from those hashes, then LATEST, then retention
     seconds = time.perf_counter() - start
     get_run_logger().info("checkpoint step %d committed at %s in %.2f s", iteration, staging, seconds)
     return StageResult(metrics={"timing_s/save_checkpoint": seconds})

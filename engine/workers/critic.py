@@ -95,12 +95,13 @@ class CriticWorker(RankWorker):
         """The full value-model weights on rank 0 (empty on the others); every rank joins the gather."""
         return fsdp.full_state_dict_rank0(self.model)
 
-    def save(self, url: str, storage_options: dict[str, Any]) -> None:
+    def save(self, url: str, storage_options: dict[str, Any]) -> list[dict[str, Any]]:
         extra = {"scheduler": self.scheduler.state_dict(), "rng": fsdp.rng_state(), "version": self.version}
-        fsdp.save_sharded(url, self.model, self.optimizer, extra, storage_options)
+        return fsdp.save_sharded(url, self.model, self.optimizer, extra, storage_options)
 
-    def load(self, url: str, storage_options: dict[str, Any]) -> int:
-        extra = fsdp.load_sharded(url, self.model, self.optimizer, storage_options)
+    def load(self, url: str, storage_options: dict[str, Any], expected: dict[str, tuple[int, str]] | None = None
+             ) -> int:
+        extra = fsdp.load_sharded(url, self.model, self.optimizer, storage_options, expected)
         self.scheduler.load_state_dict(extra["scheduler"])
         fsdp.set_rng_state(extra["rng"])
         self.version = int(extra["version"])

@@ -6,15 +6,12 @@ segfaults gathering with CPU offload (measured, see DESIGN.md).
 
 from __future__ import annotations
 
-import io
 import math
 from collections.abc import Callable
 from typing import Any
 
-import fsspec
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -24,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from engine import algos
+from engine import algos, checkpoint_io
 from engine.batch import Batch
 from engine.config import OptimConfig
 
@@ -92,50 +89,29 @@ def full_state_dict_rank0(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_sharded(url: str, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any],
-                 storage_options: dict[str, Any]) -> None:
-    """torch.distributed.checkpoint of model + optimizer shards into `url` (a folder or s3:// prefix),
-    plus this rank's small state (`extra`: scheduler, RNG, version) as `extra_rank<r>.pt` beside them."""
+                 storage_options: dict[str, Any]) -> list[checkpoint_io.FileRecord]:
+    """Model + optimizer shards into `url` (a folder or s3:// prefix), plus this rank's small state
+    (`extra`: scheduler, RNG, version); returns the files this rank wrote, hashed while written."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=_writer(url, storage_options))
-    buf = io.BytesIO()
-    torch.save(extra, buf)
-    with fsspec.open(f"{url.rstrip('/')}/extra_rank{dist.get_rank()}.pt", "wb", **storage_options) as f:
-        f.write(buf.getvalue())
+    return checkpoint_io.save(url, {"model": model_sd, "optim": optim_sd}, extra, storage_options, dist.get_rank())
 
 
 def load_sharded(url: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                 storage_options: dict[str, Any]) -> dict[str, Any]:
-    """Inverse of save_sharded; returns this rank's `extra`."""
+                 storage_options: dict[str, Any], expected: dict[str, tuple[int, str]] | None = None
+                 ) -> dict[str, Any]:
+    """Inverse of save_sharded, every file verified against `expected` (the manifest) as it is read;
+    returns this rank's `extra`."""
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
     else:
         state = {"model": get_model_state_dict(model)}
-    dcp.load(state, storage_reader=_reader(url, storage_options))
+    extra = checkpoint_io.load(url, state, storage_options, dist.get_rank(), expected)
     if optimizer is not None:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
         model.load_state_dict(state["model"])
-    with fsspec.open(f"{url.rstrip('/')}/extra_rank{dist.get_rank()}.pt", "rb", **storage_options) as f:
-        # weights_only: tensors, numbers, strings and containers only. Whoever can write the bucket must
-        # not be able to run code on every rank through a pickle.
-        return torch.load(io.BytesIO(f.read()), weights_only=True)  # type: ignore[no-any-return]
-
-
-def _writer(url: str, storage_options: dict[str, Any]) -> dcp.StorageWriter:
-    if "://" in url and not url.startswith("file://"):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        return FsspecWriter(url, **storage_options)
-    return dcp.FileSystemWriter(url.removeprefix("file://"))
-
-
-def _reader(url: str, storage_options: dict[str, Any]) -> dcp.StorageReader:
-    if "://" in url and not url.startswith("file://"):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        return FsspecReader(url, **storage_options)
-    return dcp.FileSystemReader(url.removeprefix("file://"))
+    return extra
 
 
 def rng_state() -> dict[str, Any]:

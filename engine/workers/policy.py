@@ -208,13 +208,16 @@ class PolicyWorker(RankWorker):
         self.rollout.load_weights(fsdp.full_state_dict(self.actor))
         return {"timing_s/weight_sync": time.perf_counter() - start}
 
-    def save(self, url: str, storage_options: dict[str, Any]) -> None:
+    def save(self, url: str, storage_options: dict[str, Any]) -> list[dict[str, Any]]:
+        """Sharded state into `url`; the files this rank wrote, with the sha256 taken while writing."""
         extra = {"scheduler": self.scheduler.state_dict(), "rng": fsdp.rng_state(), "version": self.version}
-        fsdp.save_sharded(url, self.actor, self.optimizer, extra, storage_options)
+        return fsdp.save_sharded(url, self.actor, self.optimizer, extra, storage_options)
 
-    def load(self, url: str, storage_options: dict[str, Any]) -> int:
-        """Restore actor, optimizer, scheduler and RNG from `url`; refresh the rollout copy; new version."""
-        extra = fsdp.load_sharded(url, self.actor, self.optimizer, storage_options)
+    def load(self, url: str, storage_options: dict[str, Any], expected: dict[str, tuple[int, str]] | None = None
+             ) -> int:
+        """Restore actor, optimizer, scheduler and RNG from `url` (each file verified against `expected`
+        as it is read); refresh the rollout copy; the version is the checkpoint's."""
+        extra = fsdp.load_sharded(url, self.actor, self.optimizer, storage_options, expected)
         self.scheduler.load_state_dict(extra["scheduler"])
         fsdp.set_rng_state(extra["rng"])
         self.version = int(extra["version"])

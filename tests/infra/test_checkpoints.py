@@ -1,15 +1,17 @@
-"""Checkpoints on both backends: dcp into the staging location, commit, verify, fallback, retention."""
+"""Checkpoints on both backends: a rank's DCP save into the staging location (engine/checkpoint_io.py,
+hashed while written), commit, verified restore and fetch, fallback, retention, no unpickling."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
+from engine import checkpoint_io
 from infra.checkpoints import HASH_DIR, CheckpointFallbackWarning, CheckpointStore
 from infra.errors import IntegrityError, ObjectNotFound, StoreError
 from infra.store import ObjectStore
@@ -43,35 +45,61 @@ def _flip_byte(store: ObjectStore, key: str) -> None:
     store.put_bytes(key, bytes(data))
 
 
-def _load(state: dict, reader) -> None:
+def _write_policy(ckpts: CheckpointStore, step: int, state: dict) -> list[dict]:
+    """One rank's save (no process group: a single-process DCP save), as the engine's ranks do it."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # dcp warns that no process group is initialised
-        dcp.load(state, storage_reader=reader, no_dist=True)
+        written = checkpoint_io.save(ckpts.step_url(step, "policy"), {"model": state["model"], "optim": state["optim"]},
+                                     state["extra"], ckpts.store.storage_options(), rank=0)
+    return [{**r, "path": f"policy/{r['path']}"} for r in written]
+
+
+def _read_policy(url: str, state: dict, ckpts: CheckpointStore, expected: dict | None = None) -> dict:
+    target = {"model": state["model"], "optim": state["optim"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return checkpoint_io.load(url, target, ckpts.store.storage_options(), rank=0, expected=expected)
+
+
+def _expected(manifest, role: str = "policy") -> dict:
+    return {f.path[len(role) + 1:]: (f.size, f.sha256) for f in manifest.files if f.path.startswith(f"{role}/")}
 
 
 def _save(ckpts: CheckpointStore, step: int, state: dict) -> None:
     ckpts.begin(step)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # dcp warns that no process group is initialised
-        dcp.save(state, storage_writer=ckpts.writer(step, "policy"), no_dist=True)
+    written = _write_policy(ckpts, step, state)
     ckpts.write_trainer_state(step, {"iteration": step, "rng": [1, 2, 3]})
-    ckpts.commit(step)
+    ckpts.commit(step, written)
 
 
-def test_dcp_save_into_staging_and_load_back(store: ObjectStore, tmp_path) -> None:
+def _restore(ckpts: CheckpointStore, target: dict) -> int | None:
+    def load(step, manifest):
+        try:
+            _read_policy(ckpts.step_url(step, "policy"), target, ckpts, _expected(manifest))
+        except checkpoint_io.CheckpointCorruptError as err:
+            raise IntegrityError(str(err)) from None
+    return ckpts.restore(load)
+
+
+def test_dcp_save_into_staging_and_load_back(store: ObjectStore, tmp_path, monkeypatch) -> None:
     ckpts = CheckpointStore(store, "run1")
     state = _state(3)
     staging = ckpts.begin(3)
     assert staging == store.url("run1/checkpoints/step_000003")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save(state, storage_writer=ckpts.writer(3, "policy"), no_dist=True)
+    written = _write_policy(ckpts, 3, state)
     ckpts.write_trainer_state(3, {"iteration": 3})
     assert ckpts.latest_committed() is None, "nothing is committed before commit()"
-    manifest = ckpts.commit(3)
+    # The ranks' records make the manifest: the commit reads no checkpoint file back.
+    reads: list[str] = []
+    original = ObjectStore.get_bytes
+    monkeypatch.setattr(ObjectStore, "get_bytes", lambda self, key, **kw: reads.append(key) or original(self, key, **kw))
+    manifest = ckpts.commit(3, written)
+    monkeypatch.undo()
+    assert not [k for k in reads if "/policy/" in k], reads
 
     paths = {f.path for f in manifest.files}
-    assert {"policy/.metadata", "trainer.json"} <= paths and any(p.endswith(".distcp") for p in paths)
+    assert {"policy/.metadata", "policy/extra_rank0.pt", "trainer.json"} <= paths
+    assert any(p.endswith(".distcp") for p in paths)
     assert not any(p.startswith(HASH_DIR) for p in paths)
     for f in manifest.files:  # the hashes made while writing are the hashes of what is stored
         assert hashlib.sha256(store.get_bytes(f"run1/checkpoints/step_000003/{f.path}")).hexdigest() == f.sha256
@@ -81,15 +109,15 @@ def test_dcp_save_into_staging_and_load_back(store: ObjectStore, tmp_path) -> No
     loaded = ckpts.load_latest()
     assert loaded is not None and loaded.step == 3 and loaded.trainer_state == {"iteration": 3}
     target = _zeros_like(state)
-    _load(target, ckpts.reader(3, "policy"))
+    assert _restore(ckpts, target) == 3
     assert torch.equal(target["model"]["weight"], state["model"]["weight"])
     assert torch.equal(target["optim"]["state"][0]["exp_avg"], state["optim"]["state"][0]["exp_avg"])
 
     local = ckpts.load_latest(local_dir=str(tmp_path / "cache"))
     assert local is not None and local.url == str(tmp_path / "cache" / "step_000003")
     target = _zeros_like(state)
-    _load(target, ckpts.reader(3, "policy", base_url=local.url))
-    assert torch.equal(target["model"]["bias"], state["model"]["bias"])
+    extra = _read_policy(str(tmp_path / "cache" / "step_000003" / "policy"), target, ckpts)
+    assert torch.equal(target["model"]["bias"], state["model"]["bias"]) and extra == {"step": 3}
 
 
 def test_uncommitted_step_is_ignored_and_cleaned_by_begin(store: ObjectStore) -> None:
@@ -132,8 +160,10 @@ def test_flipped_byte_falls_back_with_a_warning_naming_the_file(store: ObjectSto
     assert shard in caplog.text
     with pytest.warns(CheckpointFallbackWarning, match=shard):
         assert ckpts.resolve_loadable() == 1
+    # Restoring reads each file once, verifying it as it is read: the flipped shard is caught there.
     target = _zeros_like(_state(1))
-    _load(target, ckpts.reader(loaded.step, "policy"))
+    with pytest.warns(CheckpointFallbackWarning, match=f"step 2 .*{shard.split('/')[-1]} is corrupt.*falling back"):
+        assert _restore(ckpts, target) == 1
     assert torch.equal(target["model"]["weight"], _state(1)["model"]["weight"])
 
 
@@ -200,3 +230,33 @@ def test_retention_keeps_last_k_and_every_m(store: ObjectStore) -> None:
         one.write_bytes(step, "shard", b"x")
         one.commit(step)
     assert one.committed_steps() == [2] and one.latest_pointer() == 2
+
+
+@pytest.mark.parametrize("victim", [".metadata", "__0_0.distcp"])
+def test_pickles_in_a_checkpoint_run_nothing(store: ObjectStore, tmp_path, victim: str) -> None:
+    """DCP's .metadata is a pickle, and its byte items (non-tensor state) are torch.load'ed: a crafted
+    checkpoint (its manifest made to match, as whoever can write the bucket could) is refused and
+    runs nothing."""
+    import pickle
+
+    class Payload:
+        def __reduce__(self):  # noqa: ANN204 - what an attacker would write
+            return (Path.touch, (tmp_path / "pwned",))
+
+    ckpts = CheckpointStore(store, "run1")
+    ckpts.begin(1)
+    state = _state(1)
+    if victim == "__0_0.distcp":  # a byte item whose pickle calls a function, written by DCP itself
+        state["optim"] = {**state["optim"], "crafted": Payload()}
+    written = _write_policy(ckpts, 1, state)
+    if victim == ".metadata":
+        crafted = pickle.dumps(Payload())
+        store.put_bytes("run1/checkpoints/step_000001/policy/.metadata", crafted)
+        written = [r if r["path"] != "policy/.metadata" else
+                   {**r, "size": len(crafted), "sha256": hashlib.sha256(crafted).hexdigest()} for r in written]
+    ckpts.commit(1, written)
+    target = _zeros_like(_state(1))
+    target["optim"] = {**target["optim"], "crafted": None}
+    with pytest.raises(Exception, match="not a metadata type|Weights only load failed"):
+        _read_policy(ckpts.step_url(1, "policy"), target, ckpts, _expected(ckpts.read_manifest(1)))
+    assert not (tmp_path / "pwned").exists()
