@@ -66,10 +66,14 @@ def hub_offline() -> bool:
 
 def resolve_model_path(model_cfg: ModelConfig, task: str) -> str:
     """A directory or hub id that `from_pretrained` can load; "tiny" is built (once) for `task`."""
+    seed = model_cfg.tiny_seed
     if model_cfg.path == TINY:
         from engine import tiny  # engine.tiny imports this module
 
-        return str(tiny.cached_tiny(task, model_cfg.tiny_seed))
+        return str(tiny.cached_tiny(task, seed))
+    if seed != ModelConfig.model_fields["tiny_seed"].default:
+        raise ConfigError(f"model.tiny_seed={seed} is not allowed with model.path={model_cfg.path!r}: it seeds the "
+                          "built tiny model only (model.path=tiny)")
     return _resolve_pretrained(model_cfg.path, what="model.path", probe="config.json")
 
 

@@ -134,3 +134,13 @@ def response_mask_until_eos(responses: torch.Tensor, stop_ids: list[int]) -> tor
     is_eos = torch.isin(responses, torch.tensor(stop_ids, dtype=responses.dtype)).long()
     eos_before = torch.cumsum(is_eos, dim=1) - is_eos  # eos tokens strictly before position t
     return (eos_before == 0).long()
+
+
+BACKENDS = {"hf": HFRollout}  # rollout.name -> backend; vllm is refused by RolloutConfig until it is built
+
+
+def make_rollout(name: str, model: PreTrainedModel, pad_token_id: int, stop_ids: list[int]) -> RolloutBackend:
+    """The rollout backend `name` (rollout.name) over `model`."""
+    if name not in BACKENDS:
+        raise ValueError(f"rollout.name={name!r}: allowed: {', '.join(BACKENDS)}")
+    return BACKENDS[name](model, pad_token_id, stop_ids)

@@ -81,10 +81,12 @@ class MetricLoggers:
 
     @classmethod
     def create(
-        cls, names: Iterable[str], *, run_id: str, log_dir: str | Path, config: Mapping[str, Any]
+        cls, names: Iterable[str], *, run_id: str, log_dir: str | Path, config: Mapping[str, Any],
+        project: str = "rlflow",
     ) -> MetricLoggers:
         """Start each backend in `names` for `run_id`, writing under `log_dir`; `config` (the public,
-        JSON-able run config) is recorded as the run's config / params."""
+        JSON-able run config) is recorded as the run's config / params; `project` (trainer.project) is
+        the W&B project and the MLflow experiment."""
         names = list(dict.fromkeys(names))
         if not names:
             return cls()
@@ -94,7 +96,8 @@ class MetricLoggers:
         started: list[MetricLogger] = []
         try:
             for name in names:
-                started.append(_create_backend(name, run_id=run_id, log_dir=directory, config=config))
+                started.append(_create_backend(name, run_id=run_id, log_dir=directory, config=config,
+                                               project=project))
         except BaseException:
             for logger in started:
                 logger.close(failed=True)
@@ -196,22 +199,18 @@ def require_packages(names: Iterable[str]) -> None:
                           f"{install_hint(missing)}, or leave the logger out of trainer.loggers")  # fmt: skip
 
 
-def _create_backend(name: str, *, run_id: str, log_dir: Path, config: Mapping[str, Any]) -> MetricLogger:
+def _create_backend(name: str, *, run_id: str, log_dir: Path, config: Mapping[str, Any], project: str
+                    ) -> MetricLogger:
     backends: dict[str, Callable[..., MetricLogger]] = {
         "tensorboard": TensorBoardLogger, "wandb": WandbLogger, "mlflow": MlflowLogger,
     }  # fmt: skip
     backend = backends[name]
     try:
-        return backend(run_id=run_id, log_dir=log_dir, config=config)
+        return backend(run_id=run_id, log_dir=log_dir, config=config, project=project)
     except ImportError as err:  # installed but broken: a dependency of its own is missing
         package = PACKAGES[name].pip
         raise ConfigError(f"trainer.loggers: {name} needs {package}, which does not import ({err}): "
                           f"{install_hint([package])}") from None  # fmt: skip
-
-
-def _project(config: Mapping[str, Any]) -> str:
-    trainer = config.get("trainer")
-    return str(trainer.get("project") or "rlflow") if isinstance(trainer, Mapping) else "rlflow"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -221,7 +220,7 @@ def _project(config: Mapping[str, Any]) -> str:
 class TensorBoardLogger:
     name = "tensorboard"
 
-    def __init__(self, *, run_id: str, log_dir: Path, config: Mapping[str, Any]) -> None:
+    def __init__(self, *, run_id: str, log_dir: Path, config: Mapping[str, Any], project: str) -> None:
         import tensorboardX as tbx
 
         self.path = log_dir / "tensorboard"
@@ -240,7 +239,7 @@ class TensorBoardLogger:
 class WandbLogger:
     name = "wandb"
 
-    def __init__(self, *, run_id: str, log_dir: Path, config: Mapping[str, Any]) -> None:
+    def __init__(self, *, run_id: str, log_dir: Path, config: Mapping[str, Any], project: str) -> None:
         wanted = os.environ.get("WANDB_MODE", "").lower()
         mode: Literal["online", "offline", "disabled"] = "offline"
         if wanted in ("online", "disabled"):
@@ -259,7 +258,7 @@ class WandbLogger:
             disable_job_creation=True,
         )
         self.run = wandb.init(
-            project=_project(config), id=_wandb_id(run_id), name=run_id, dir=str(log_dir), mode=mode,
+            project=project, id=_wandb_id(run_id), name=run_id, dir=str(log_dir), mode=mode,
             config=dict(config), resume="allow", reinit="create_new", settings=settings,
         )  # fmt: skip
 
@@ -281,7 +280,7 @@ class MlflowLogger:
     # MLflow's log_batch takes at most 100 params and 1000 metrics per call.
     PARAMS_PER_CALL, METRICS_PER_CALL = 100, 1000
 
-    def __init__(self, *, run_id: str, log_dir: Path, config: Mapping[str, Any]) -> None:
+    def __init__(self, *, run_id: str, log_dir: Path, config: Mapping[str, Any], project: str) -> None:
         # `import mlflow` starts a telemetry thread that fetches a config from mlflow.org (MLflow >= 3.2)
         # unless this is set first. MLFLOW_DISABLE_TELEMETRY=false in the environment keeps it on.
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -295,7 +294,7 @@ class MlflowLogger:
         self.client = MlflowClient(tracking_uri=server or f"sqlite:///{log_dir / 'mlflow.db'}")
         # Artifacts beside the local store; a server keeps its own artifact location.
         artifacts = None if server else (log_dir / "mlartifacts").as_uri()
-        experiment = self._experiment(_project(config), artifacts)
+        experiment = self._experiment(project, artifacts)
         found = self.client.search_runs([experiment], filter_string=f"tags.`{self.RUN_TAG}` = '{run_id}'",
                                         max_results=1)  # fmt: skip
         if found:  # a resumed run goes on in the same MLflow run

@@ -135,7 +135,8 @@ def train(config_path: str | None = None, overrides: list[str] | None = None, re
     require_packages(cfg.trainer.loggers)  # a missing logger package fails before anything starts
     run = open_run(cfg, run_id, resume=resume is not None, parent=parent)
     log_dir = run_log_dir(cfg.trainer.log_dir, storage_root=cfg.storage.root, run_id=run_id)
-    loggers = MetricLoggers.create(cfg.trainer.loggers, run_id=run_id, log_dir=str(log_dir), config=cfg.public_dict())
+    loggers = MetricLoggers.create(cfg.trainer.loggers, run_id=run_id, log_dir=str(log_dir), config=cfg.public_dict(),
+                                   project=cfg.trainer.project)
     trainer = Trainer(run, make_kl_controller(cfg.algorithm), loggers)
     try:
         engine, first = reconcile(trainer)

@@ -156,13 +156,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    import importlib.util
-
-    if importlib.util.find_spec("moto") is None:
+    try:
+        import moto  # noqa: F401
+    except ImportError:
         from infra.errors import InfraError
 
         raise InfraError("rlflow infra s3 runs moto's S3 server, which the main install leaves out: "
-                         "pip install -c constraints-cpu.txt -e '.[s3]'")
+                         "pip install -c constraints-cpu.txt -e '.[s3]'") from None
     serve(host=args.host, port=args.port, bucket=args.bucket or None, access_key_id=args.access_key_id,
           secret_access_key=args.secret_access_key, auth=not args.no_auth, verbose=args.verbose)
     return 0

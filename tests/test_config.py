@@ -61,6 +61,8 @@ def test_gae_with_a_critic_is_accepted() -> None:
         (["actor.loss_agg_mode=mean"], "actor.loss_agg_mode='mean' is not allowed: must be one of"),
         (["actor.lr"], "override 'actor.lr' is not key=value"),
         (["lr=1"], "override key 'lr' must be section.field"),
+        (["rollout.name=vllm"], "rollout.name='vllm' is not allowed: the vLLM backend needs a GPU build that is "
+                                "not there yet"),
     ],
 )
 def test_bad_values_fail_with_one_message_naming_key_and_value(overrides: list[str], expected: str) -> None:
@@ -137,3 +139,22 @@ def test_old_logprob_pass_only_when_the_update_is_off_policy(overrides: list[str
     assert ("compute_old_logprobs" in names) is old_logp
     update = next(s for s in stages_for(cfg) if s.name == "update_policy")
     assert ("old_logp" in update.reads) is old_logp
+
+
+def test_device_auto_resolves_and_what_is_not_built_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import torch
+
+    from engine.config import ModelConfig
+    from engine.models import resolve_model_path
+    from flows.plan import engine_spec, resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu" and resolve_device("cpu") == "cpu"
+    cfg = load_config(None, ["trainer.device=auto"])
+    assert engine_spec(cfg, "r", "m", "t").backend == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match="trainer.device='auto' is not allowed yet: it means cuda"):
+        engine_spec(cfg, "r", "m", "t")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="model.tiny_seed=3 is not allowed with model.path="):
+        resolve_model_path(ModelConfig(path=str(tmp_path), tiny_seed=3), "arith")

@@ -135,3 +135,19 @@ def test_vllm_is_informative_unless_configured() -> None:
     assert not row.blocks
     if row.status == "missing":
         assert doctor.check_vllm(required=True).blocks
+
+
+def test_infra_s3_without_moto_says_which_extra_to_install() -> None:
+    """The main install leaves moto out: `rlflow infra s3` says so in one line, naming the extra."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; sys.modules['moto'] = None\n"  # as if moto were not installed
+            "from flows.cli import main; sys.exit(main(['infra', 's3', '--port', '0']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == [
+        "rlflow: error: rlflow infra s3 runs moto's S3 server, which the main install leaves out: "
+        "pip install -c constraints-cpu.txt -e '.[s3]'"], proc.stderr

@@ -76,7 +76,7 @@ def _is_loopback(host: Any) -> bool:
 
 
 def _log_run(names: list[str], log_dir: Path, run_id: str = "run-1", steps: range = range(2)) -> None:
-    with MetricLoggers.create(names, run_id=run_id, log_dir=log_dir, config=CONFIG) as loggers:
+    with MetricLoggers.create(names, run_id=run_id, log_dir=log_dir, config=CONFIG, project="rlflow-test") as loggers:
         assert loggers.names == names
         for step in steps:
             loggers.log(step + 1, METRICS[step])

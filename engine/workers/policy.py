@@ -28,7 +28,7 @@ from engine import algos
 from engine.batch import Batch
 from engine.config import ActorConfig, RefConfig, RolloutConfig
 from engine.models import cache_argument, dropout_left, load_model, load_tokenizer, positions, stop_token_ids
-from engine.rollout import HFRollout, SamplingParams
+from engine.rollout import SamplingParams, make_rollout
 from engine.seeds import derive_seed
 from engine.workers import fsdp
 from engine.workers.base import RankWorker
@@ -71,7 +71,7 @@ class PolicyWorker(RankWorker):
             ref.requires_grad_(False)
             self.ref = fsdp.shard_model(ref.eval())
         stops = sorted(stop_token_ids(self.tokenizer, self.rollout_model))
-        self.rollout = HFRollout(self.rollout_model, int(self.tokenizer.pad_token_id), stops)
+        self.rollout = make_rollout(spec.rollout.name, self.rollout_model, int(self.tokenizer.pad_token_id), stops)
 
     # -- generation ---------------------------------------------------------------------------------
     def generate(self, prompts: Batch, *, iteration: int, expected_version: int | None, do_sample: bool = True
