@@ -1,4 +1,5 @@
-"""Prefect artifacts of a run: a metrics table per iteration, a progress bar, a markdown summary."""
+"""Prefect artifacts of a run: a metrics table on each iteration's own flow run, a progress bar and a
+markdown summary with charts (flows/charts.py) on the run's flow run."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
+from flows import charts
+
 KEY_METRICS = ("critic/score/mean", "val/score/mean", "response_length/mean", "actor/pg_loss", "actor/entropy",
                "actor/ppo_kl", "actor/grad_norm", "timing_s/step", "perf/orchestration_s")
-_BLOCKS = "▁▂▃▄▅▆▇█"
 
 
 def artifact_key(run_id: str, what: str) -> str:
@@ -25,6 +27,8 @@ def artifact_key(run_id: str, what: str) -> str:
 
 
 def iteration_table(run_id: str, iteration: int, metrics: dict[str, float]) -> None:
+    """The iteration's metrics, created in the iteration's own flow run (one there, not one per iteration
+    on the run's page)."""
     rows = [{"metric": k, "value": round(v, 6)} for k, v in sorted(metrics.items())]
     create_table_artifact(rows, key=artifact_key(run_id, "metrics"),
                           description=f"{run_id}: metrics of iteration {iteration}")
@@ -44,30 +48,19 @@ class Progress:
             update_progress_artifact(self.id, round(100.0 * done, 1))
 
 
-def sparkline(values: list[float]) -> str:
-    if not values:
-        return ""
-    lo, hi = min(values), max(values)
-    span = (hi - lo) or 1.0
-    return "".join(_BLOCKS[int((v - lo) / span * (len(_BLOCKS) - 1))] for v in values)
-
-
 def summary(run_id: str, history: list[dict[str, Any]], checkpoints: list[tuple[int, str]],
             export_url: str | None) -> str:
-    """Markdown: the reward and response-length curves, the last metrics, the committed checkpoints."""
+    """Markdown: charts of reward, validation score, response length, KL, entropy and step time, the
+    first and last values, the last metrics, the committed checkpoints."""
     trained = [m for m in history if "critic/score/mean" in m]
     reward = [m["critic/score/mean"] for m in trained]
-    length = [m["response_length/mean"] for m in trained if "response_length/mean" in m]
     val = [(m["iteration"], m["val/score/mean"]) for m in history if "val/score/mean" in m]
-    lines = [f"# {run_id}", "", f"{len(trained)} iterations trained.", "",
-             "| curve | first | last | shape |", "|---|---|---|---|"]
+    lines = [f"# {run_id}", "", f"{len(trained)} iterations trained.", "", *charts.chart_markdown(history), "",
+             "| curve | first | last |", "|---|---|---|"]
     if reward:
-        lines.append(f"| train reward | {reward[0]:.3f} | {reward[-1]:.3f} | `{sparkline(reward)}` |")
-    if length:
-        lines.append(f"| response length | {length[0]:.1f} | {length[-1]:.1f} | `{sparkline(length)}` |")
+        lines.append(f"| train reward | {reward[0]:.3f} | {reward[-1]:.3f} |")
     if val:
-        lines.append(f"| validation score | {val[0][1]:.3f} (iter {val[0][0]}) | {val[-1][1]:.3f} "
-                     f"(iter {val[-1][0]}) | `{sparkline([v for _, v in val])}` |")
+        lines.append(f"| validation score | {val[0][1]:.3f} (iter {val[0][0]}) | {val[-1][1]:.3f} (iter {val[-1][0]}) |")
     if trained:
         lines += ["", "## Last iteration", "", "| metric | value |", "|---|---|"]
         lines += [f"| {k} | {trained[-1][k]:.4g} |" for k in KEY_METRICS if k in trained[-1]]

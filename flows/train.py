@@ -88,6 +88,7 @@ def rl_iteration(plan: RunPlan, iteration: int, kl_coef: float) -> dict[str, flo
     metrics["perf/time_per_step"] = step_s
     metrics["perf/throughput"] = metrics.get("perf/total_num_tokens", 0.0) / step_s
     metrics["stages/reused"] = float(len(reused))
+    report.iteration_table(plan.run_id, iteration, {**metrics, "actor/kl_coef": kl_coef})
     return metrics
 
 
@@ -254,7 +255,6 @@ def run_iteration(trainer: Trainer, iteration: int) -> dict[str, float]:
     # is the subflow's own stages only).
     metrics["timing_s/iteration"] = time.perf_counter() - started
     trainer.run.runs.write_metrics(iteration, metrics)
-    report.iteration_table(plan.run_id, iteration, metrics)
     trainer.loggers.log(iteration, metrics)
     progress.notify(iteration, metrics)
     get_run_logger().info(  # the console shows progress.summary_line instead

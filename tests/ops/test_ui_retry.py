@@ -1,7 +1,12 @@
 """Retry of a failed deployed run, twice: through the API call the UI's Retry button makes
 (`set_flow_run_state(id, AwaitingRetry())`), and by pressing the real button in the real Prefect UI in
 headless Chromium. Each time the flow runs again, every finished stage of the failed iteration comes
-back `Cached` (its buffer untouched), the live engine carries on, and the run completes."""
+back `Cached` (its buffer untouched), the live engine carries on, and the run completes. After the UI
+retry, the completed run's pages as Chromium renders them: the summary's charts, no pile of per-iteration
+tables on the run's page, and the user's own stage among the iteration's task runs.
+
+Chromium: Debian's, at /usr/bin/chromium (.ci/run installs it). Without it these tests say so in one
+line and are skipped, except where RLFLOW_UI_TESTS=required (CI), where they fail."""
 
 from __future__ import annotations
 
@@ -31,9 +36,22 @@ REUSED = ("generate_rollouts", "score_rewards", "compute_old_logprobs", "compute
 # update_policy of iteration 2 fails on every attempt of the first flow run (the task's own retries
 # included), then passes: the count is kept in storage (tasks/faults.py).
 FAULT = ["debug.fail_stage=update_policy", f"debug.fail_times={RETRIES + 1}", "debug.fail_iteration=2"]
+STAGE = f"algorithm.extra_stages={Path(__file__).resolve().parents[1] / 'pipeline' / 'stages.py'}:brevity"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    import os
+
+    if not Path(CHROMIUM).exists():
+        message = f"Chromium not found at {CHROMIUM}: install Debian's chromium (apt-get install chromium) to run the UI tests"
+        if os.environ.get("RLFLOW_UI_TESTS") == "required":
+            pytest.fail(message)
+        pytest.skip(message)
+    return CHROMIUM
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +64,7 @@ def server(cli: Cli, tiny_model_dir: Path, root: Path, tmp_path_factory: pytest.
            ) -> Iterator[Server]:
     """Two deployments of failing runs (one per test), served for the module."""
     for name in ("retry-api", "retry-ui"):
-        proc = cli("deploy", *run_args(tiny_model_dir, root, "trainer.iterations_per_run=2", *FAULT),
+        proc = cli("deploy", *run_args(tiny_model_dir, root, "trainer.iterations_per_run=2", STAGE, *FAULT),
                    "--name", name, "--cron", NEVER)
         assert proc.returncode == 0, proc.stderr[-3000:]
     with serving(cli, ["retry-api", "retry-ui"], tmp_path_factory.mktemp("serve-home")) as served:
@@ -96,14 +114,17 @@ def test_retry_through_the_api(prefect: Any, server: Server, root: Path) -> None
     assert_retried(prefect, server, run, root, rollout)
 
 
-def test_retry_button_in_the_ui(prefect: Any, server: Server, root: Path, api_url: str, tmp_path: Path) -> None:
-    """The failed run's page in the UI, a screenshot of it (flow-run-failed.png), the Retry button pressed."""
+def test_retry_button_in_the_ui(prefect: Any, server: Server, root: Path, api_url: str, tmp_path: Path,
+                                chromium: str) -> None:
+    """The failed run's page in the UI, a screenshot of it (flow-run-failed.png), the Retry button pressed;
+    then the completed run as the UI renders it (see the module's docstring)."""
     from playwright.sync_api import sync_playwright
 
     run, rollout = failed_run(prefect, server, "retry-ui", root)
-    page_url = f"{api_url.removesuffix('/api')}/runs/flow-run/{run.id}"
+    ui = api_url.removesuffix('/api')
+    page_url = f"{ui}/runs/flow-run/{run.id}"
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 900})
         try:
             page.goto(page_url, wait_until="networkidle")
@@ -123,3 +144,49 @@ def test_retry_button_in_the_ui(prefect: Any, server: Server, root: Path, api_ur
         finally:
             browser.close()
     assert_retried(prefect, server, run, root, rollout)
+    train_run = subflow_runs(prefect, run.id)[-1]  # the completed train flow run
+    iteration = next(r for r in subflow_runs(prefect, train_run.id) if r.name == "iter-000002")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            assert_rendered_run(page, ui, train_run, iteration, tmp_path)
+        except Exception:
+            page.screenshot(path=str(tmp_path / "ui-failure.png"))
+            raise
+        finally:
+            browser.close()
+
+
+def artifact_links(page: Any) -> list[str]:
+    return page.evaluate("Array.from(document.querySelectorAll('a')).map(a => a.href)"
+                         ".filter(h => h.includes('/artifacts/artifact/'))")
+
+
+def assert_rendered_run(page: Any, ui: str, train_run: Any, iteration: Any, shots: Path) -> None:
+    """The run's Artifacts tab lists its summary, progress and checkpoint links, not a table per
+    iteration; the summary page shows its charts as decoded images (summary.png); the iteration's
+    page holds its metrics table and the user's `brevity` stage among its task runs (iteration.png)."""
+    page.goto(f"{ui}/runs/flow-run/{train_run.id}", wait_until="networkidle")
+    page.get_by_text("Artifacts", exact=True).first.click()
+    page.get_by_text("summary").first.wait_for(timeout=30_000)
+    links = sorted(set(artifact_links(page)))
+    page.screenshot(path=str(shots / "run-artifacts.png"))
+    assert 2 <= len(links) <= 5, links  # summary, progress, up to 3 checkpoint links
+    assert page.get_by_text(f"{train_run.name}-metrics").count() == 0  # the tables are on the iterations' pages
+    summary = next(link for link in links if page.goto(link, wait_until="networkidle") and
+                   page.get_by_text("iterations trained").count())
+    page.wait_for_function("Array.from(document.images).filter(i => i.src.startsWith('data:image/svg')"
+                           " && i.naturalWidth > 0).length >= 4", timeout=30_000)
+    charts = page.evaluate("Array.from(document.images).filter(i => i.src.startsWith('data:image/svg'))"
+                           ".map(i => [i.alt, i.naturalWidth, i.getBoundingClientRect().height])")
+    page.screenshot(path=str(shots / "summary.png"), full_page=True)
+    titles = {alt for alt, width, height in charts if width > 0 and height > 100}
+    assert {"train reward", "response length", "entropy", "step time (s)"} <= titles, (summary, charts)
+    page.goto(f"{ui}/runs/flow-run/{iteration.id}", wait_until="networkidle")
+    page.get_by_text("Task Runs", exact=True).first.click()
+    page.get_by_text("brevity").first.wait_for(timeout=30_000)
+    page.screenshot(path=str(shots / "iteration.png"))
+    page.get_by_text("Artifacts", exact=True).first.click()
+    page.get_by_text(f"{train_run.name}-metrics").first.wait_for(timeout=30_000)
+    assert len(set(artifact_links(page))) == 1
