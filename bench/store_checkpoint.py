@@ -62,6 +62,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a local Ray for the bench: no token file written
     from infra.s3server import env_for
 
     proc, endpoint = start_server()
@@ -127,6 +128,8 @@ def main() -> int:
                     shutil.rmtree(dst)
             print(f"  repeat {rep}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()), flush=True)
         med = {k: statistics.median(v) for k, v in times.items()}
+        sync = statistics.median(timed(lambda: engine.policy.call("sync_rollout_weights")) for _ in range(3))
+        print(f"  of a restore, the rollout copy's refresh from the shards (an all-gather): {sync:.2f} s")
         print()
         print(f"{'':10}{'store MB/s':>12}{'raw MB/s':>10}{'store/raw':>11}")
         for op, (ours, raw) in (("save", ("store_save", "raw_put")), ("restore", ("store_restore", "raw_get"))):

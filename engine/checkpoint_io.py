@@ -23,6 +23,7 @@ import os
 import pickle
 import tempfile
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -91,7 +92,8 @@ def load(url: str, state: dict[str, Any], storage_options: dict[str, Any], rank:
     `expected`: path (relative to `url`) -> (size, sha256) of every file, from the manifest: each file
     is verified as it is read; None reads unverified (a checkpoint not committed through the store)."""
     reader = _reader(url, storage_options)
-    verifying = _VerifyingFileSystem(reader.fs, str(reader.path), expected)
+    verifying = _VerifyingFileSystem(reader.fs, str(reader.path), expected,
+                                     fsspec.core.url_to_fs(url, **storage_options)[0] if _remote(url) else None)
     reader.fs = verifying
     try:
         dcp.load(state, storage_reader=reader, planner=_WeightsOnlyLoadPlanner())
@@ -270,11 +272,13 @@ class _HashingStream(io.RawIOBase):
 
 
 class _VerifyingFileSystem:
-    """Wraps a DCP FileSystem: a stream opened for reading is read once, in full, hashed and checked
-    against `expected`, then served from memory (or from a local spool file when large)."""
+    """Wraps a DCP FileSystem: a stream opened for reading is read once, in full (one GET of the whole
+    object on an object store, through `remote`), hashed and checked against `expected`, then served
+    from memory (or from a local spool file when large)."""
 
-    def __init__(self, inner: Any, base: str, expected: dict[str, tuple[int, str]] | None) -> None:
-        self._inner, self._base, self._expected = inner, str(base).rstrip("/"), expected
+    def __init__(self, inner: Any, base: str, expected: dict[str, tuple[int, str]] | None, remote: Any = None
+                 ) -> None:
+        self._inner, self._base, self._expected, self._remote = inner, str(base).rstrip("/"), expected, remote
         self.failures: list[CheckpointCorruptError] = []  # DCP may keep only the text of an error
 
     def __getattr__(self, name: str) -> Any:
@@ -289,11 +293,21 @@ class _VerifyingFileSystem:
         rel = _relative(path, self._base)
         spool = tempfile.SpooledTemporaryFile(max_size=IN_MEMORY_MAX)
         digest, size = hashlib.sha256(), 0
-        with self._inner.create_stream(path, mode) as stream:
+        # A file object over an object store reads in ranged GETs of its block size; one GET of the whole
+        # object streams it at the store's full speed.
+        opened = self._remote.open(str(path), "rb", block_size=max(_CHUNK, self._expected.get(rel, (0,))[0])) \
+            if self._remote is not None else self._inner.create_stream(path, mode)
+        # Hash and spool on a second thread while the next chunk arrives (hashlib and file writes release
+        # the GIL): the verification costs no time beyond the download.
+        with opened as stream, ThreadPoolExecutor(1) as pool:
+            pending = None
             while chunk := stream.read(_CHUNK):
-                digest.update(chunk)
-                spool.write(chunk)
+                if pending is not None:
+                    pending.result()
+                pending = pool.submit(_consume, digest, spool, chunk)
                 size += len(chunk)
+            if pending is not None:
+                pending.result()
         try:
             try:
                 _check(rel, size, digest.hexdigest(), self._expected)
@@ -304,6 +318,11 @@ class _VerifyingFileSystem:
             yield spool
         finally:
             spool.close()
+
+
+def _consume(digest: Any, spool: Any, chunk: bytes) -> None:
+    digest.update(chunk)
+    spool.write(chunk)
 
 
 def _relative(path: Any, base: str) -> str:
