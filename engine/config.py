@@ -37,6 +37,8 @@ def _record_read(key: str) -> None:
 
 
 class ModelConfig(Section):
+    """The policy model and its tokenizer. Loaded with every dropout probability 0 (see above)."""
+
     path: str = Field(
         "tiny",
         description="a local Hugging Face model directory, a hub id (when online), or 'tiny': the "
@@ -49,6 +51,8 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
+    """Prompts: files in verl's layout, or a synthetic task generated on first use."""
+
     train_files: list[str] = Field(
         default_factory=list,
         description="parquet / jsonl files or `datasets` directories in verl's layout; empty: the "
@@ -67,6 +71,8 @@ class DataConfig(Section):
 
 
 class RolloutConfig(Section):
+    """Generation: the backend, the group size n and the sampling parameters."""
+
     name: Literal["hf", "vllm"] = Field("hf", description="the generation backend; vllm needs the GPU build, "
                                         "which is not there yet: refused")
     n: int = Field(8, ge=1, description="responses per prompt (the group size)")
@@ -86,6 +92,8 @@ class RolloutConfig(Section):
 
 
 class OptimConfig(Section):
+    """Optimizer, schedule and batching of an FSDP2-trained model (the actor's and the critic's)."""
+
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -105,11 +113,16 @@ class OptimConfig(Section):
 
 
 class ActorConfig(OptimConfig):
+    """The policy update: optimizer and batching (as the critic's), the loss and its aggregation."""
+
     policy_loss: str = Field("ppo_clip", description="a name in engine.algos.POLICY_LOSSES")
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.2, ge=0)
     clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip constant for negative advantages")
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = Field(
+        "token-mean", description="token-mean, seq-mean-token-sum, seq-mean-token-mean, or seq-mean-token-sum-norm "
+        "(Dr. GRPO: each response's token sum divided by rollout.max_new_tokens, averaged over responses); the "
+        "aggregate is over the global mini-batch whatever the micro-batch size and the number of ranks")
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.001, ge=0)
     kl_loss_type: str = Field("k3", description="a KL estimator name: k1, abs, k2, k3")
@@ -150,11 +163,13 @@ class ActorConfig(OptimConfig):
 
 
 class CriticConfig(OptimConfig):
+    """The value model (PPO with GAE): the policy's trunk with a new value head."""
+
     enable: bool = False
     model_path: str | None = Field(None, description="defaults to model.path (trunk + a new value head)")
     lr: float = Field(1e-5, gt=0)
     clip_range_value: float = Field(0.5, gt=0)
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = Field("token-mean", description="as actor.loss_agg_mode, for the value loss")
 
     @field_validator("loss_agg_mode")
     @classmethod
@@ -163,10 +178,14 @@ class CriticConfig(OptimConfig):
 
 
 class RefConfig(Section):
+    """The frozen reference policy (when a KL term is on)."""
+
     micro_batch_size: int = Field(32, gt=0, description="sequences per forward per rank")
 
 
 class AlgorithmConfig(Section):
+    """The advantage estimator, the in-reward KL and the iteration's extra stages."""
+
     adv_estimator: str = Field("grpo", description="a name in engine.algos.ADV_ESTIMATORS")
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(1.0, ge=0, le=1)
@@ -201,6 +220,8 @@ class AlgorithmConfig(Section):
 
 
 class RewardConfig(Section):
+    """Rule rewards: the registry on each row's data_source, or your own function."""
+
     function: str | None = Field(
         None,
         description="a custom reward 'module:function' or 'path/to/file.py:function'; "

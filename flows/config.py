@@ -36,6 +36,8 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_grpo
 
 
 class TrainerConfig(Section):
+    """The run: its length, checkpoints, validation, ranks, device, seed, loggers and recovery."""
+
     project: str = "rlflow"
     run_id: str | None = Field(None, description="default: <project>-<timestamp>")
     total_iterations: int = Field(20, gt=0)

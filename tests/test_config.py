@@ -158,3 +158,11 @@ def test_device_auto_resolves_and_what_is_not_built_is_refused(monkeypatch: pyte
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match="model.tiny_seed=3 is not allowed with model.path="):
         resolve_model_path(ModelConfig(path=str(tmp_path), tiny_seed=3), "arith")
+
+
+def test_the_configuration_reference_is_current() -> None:
+    """docs/configuration.md is what `rlflow config docs` prints: the defaults and descriptions stay true."""
+    from flows.commands.config import reference
+
+    path = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+    assert path.read_text() == reference(), "regenerate: rlflow config docs > docs/configuration.md"
