@@ -27,6 +27,12 @@ def test_grpo_three_iterations_on_s3(cli: Cli, tiny_model_dir: Path, s3_server) 
     proc = Cli(env)("train", *common(tiny_model_dir, root, "grpo-s3", "reward.chunk_size=16"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Prefect UI http://127.0.0.1:" in proc.stdout
+    # The console: one line per iteration (the progress display's); Prefect's lines about each iteration's
+    # flow run ("Beginning subflow run", "View at", "Finished in state") and its log line are in the UI.
+    console = (proc.stdout + proc.stderr).splitlines()
+    assert [line.split()[1] for line in console if line.startswith("iter ")] == ["1", "2", "3"], console
+    assert not [line for line in console if "Beginning subflow run" in line or "iter-0000" in line
+                or "iter 1: reward" in line], console
     import s3fs
 
     fs = s3fs.S3FileSystem(key=env["AWS_ACCESS_KEY_ID"], secret=env["AWS_SECRET_ACCESS_KEY"],
