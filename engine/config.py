@@ -208,6 +208,11 @@ class AlgorithmConfig(Section):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
+    @field_validator("extra_stages")
+    @classmethod
+    def _absolute_stages(cls, value: list[str]) -> list[str]:
+        return [absolute_file_spec(v) for v in value]
+
     @field_validator("adv_estimator")
     @classmethod
     def _known_estimator(cls, v: str) -> str:
@@ -232,6 +237,20 @@ class RewardConfig(Section):
                             "many rows (lower it for slow rewards)")
     sandbox_timeout_s: float = Field(5.0, gt=0, description="wall clock for rewards that run code")
     sandbox_memory_mb: int = Field(256, gt=0, description="address-space cap for rewards that run code")
+
+    @field_validator("function")
+    @classmethod
+    def _absolute_function(cls, value: str | None) -> str | None:
+        return absolute_file_spec(value) if value is not None else None
+
+
+def absolute_file_spec(spec: str) -> str:
+    """'path/to/file.py:name' with the path made absolute (against this process's working directory, the
+    user's): the stages run in Ray workers whose working directory is another. 'module:name' unchanged."""
+    target, sep, name = spec.rpartition(":")
+    if sep and (target.endswith(".py") or os.sep in target) and not os.path.isabs(target):
+        return f"{os.path.abspath(target)}:{name}"
+    return spec
 
 
 def _one_of(value: str, allowed: tuple[str, ...]) -> str:

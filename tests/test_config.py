@@ -166,3 +166,12 @@ def test_the_configuration_reference_is_current() -> None:
 
     path = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
     assert path.read_text() == reference(), "regenerate: rlflow config docs > docs/configuration.md"
+
+
+def test_file_paths_of_user_code_are_made_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relative 'file.py:name' is the user's working directory's; the stages run in Ray workers whose
+    working directory is another, so the config holds it absolute (a module name stays as it is)."""
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ["reward.function=my/reward.py:score", "algorithm.extra_stages=a.py:f,pkg.mod:g"])
+    assert cfg.reward.function == f"{tmp_path}/my/reward.py:score"
+    assert cfg.algorithm.extra_stages == [f"{tmp_path}/a.py:f", "pkg.mod:g"]
