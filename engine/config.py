@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # A folder: every process appends the config fields it reads (tests/pipeline: every field is read).
 _READS_DIR = os.environ.get("RLFLOW_CONFIG_READS")
@@ -82,6 +82,13 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(16, gt=0)
     val_do_sample: bool = Field(False, description="validation decodes greedily unless set")
     micro_batch_size: int = Field(64, gt=0, description="sequences per generate call per rank")
+    weights: Literal["actor", "copy"] = Field(
+        "actor", description="actor: generate from the actor's own parameters, gathered for the rollout and "
+        "resharded after (no second copy of the model on a rank); copy: a full unsharded copy on every rank, "
+        "refreshed from the shards after each update")
+    log_prob_max_tokens_per_micro_batch: int | None = Field(
+        None, gt=0, description="token budget of the old log-prob pass's micro-batches (default: the actor's); "
+        "that pass runs actor.micro_batch_size rows at most")
 
     @field_validator("name")
     @classmethod
@@ -110,6 +117,21 @@ class OptimConfig(Section):
     grad_sync: Literal["micro_batch", "optimizer_step"] = Field(
         "micro_batch", description="when FSDP2 reduce-scatters gradients: after every micro-batch (sharded "
         "gradients held), or once per optimizer step (full gradients held between, fewer collectives)")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, gt=0, description="token budget of a micro-batch (verl's dynamic batch size): rows are packed into "
+        "micro-batches by the tokens a forward processes (padded: rows x longest; packed: their sum), at most "
+        "micro_batch_size rows each; the loss weighting stays exact and every rank runs as many micro-batches")
+    packed_sequences: bool = Field(
+        False, description="verl's use_remove_padding: a micro-batch's rows run as ONE sequence without padding, "
+        "position ids restarting per row so attention stays within each row")
+    mixed_precision: Literal["none", "bf16"] = Field(
+        "none", description="bf16: FSDP2's MixedPrecisionPolicy, bf16 parameters in forward and backward, "
+        "gradients reduced in fp32, fp32 master weights and optimizer state; none: the model's dtype throughout")
+    gradient_checkpointing: bool = Field(
+        False, description="recompute each decoder layer's activations in the backward instead of keeping them")
+    cpu_offload: bool = Field(
+        False, description="FSDP2's CPUOffloadPolicy: sharded parameters, gradients and optimizer state in host "
+        "memory (for GPUs; a CPU run holds them there already, so on CPU it is nothing to do)")
 
 
 class ActorConfig(OptimConfig):
@@ -127,9 +149,10 @@ class ActorConfig(OptimConfig):
     kl_loss_coef: float = Field(0.001, ge=0)
     kl_loss_type: str = Field("k3", description="a KL estimator name: k1, abs, k2, k3")
     entropy_coeff: float = Field(0.0, ge=0)
-    share_prompts: bool = Field(
-        True, description="forward passes run each distinct prompt of a micro-batch once and its responses "
-        "on its KV cache (GRPO groups share a prompt): the same log-probs, about half the compute at n=8")
+    share_prompts: bool | Literal["auto"] = Field(
+        "auto", description="forward passes run each distinct prompt of a micro-batch once and its responses "
+        "on its KV cache (GRPO groups share a prompt): the same log-probs, about half the compute at n=8; "
+        "auto: on, unless gradient_checkpointing or packed_sequences (which it cannot combine with)")
     old_log_prob: Literal["auto", "recompute"] = Field(
         "auto", description="auto: skip the separate old log-prob pass when the update is one optimizer step "
         "on the whole batch (see reuses_update_logp); recompute: always run it")
@@ -145,6 +168,23 @@ class ActorConfig(OptimConfig):
         """
         return (self.old_log_prob == "auto" and self.ppo_epochs == 1 and not kl_in_reward
                 and self.mini_batch_size >= completions_per_iteration)
+
+    @model_validator(mode="after")
+    def _sharing_combines(self) -> ActorConfig:
+        if self.share_prompts is True and (self.gradient_checkpointing or self.packed_sequences):
+            other = "gradient_checkpointing" if self.gradient_checkpointing else "packed_sequences"
+            raise ValueError(f"share_prompts=true cannot be combined with {other} (the prompt's KV cache is what "
+                             "both leave out); set share_prompts=auto or false")
+        return self
+
+    @property
+    def forward_layout(self) -> Literal["shared", "packed", "padded"]:
+        """How a micro-batch's rows run through the model (policy.response_logits)."""
+        if self.packed_sequences:
+            return "packed"
+        if self.share_prompts is True or (self.share_prompts == "auto" and not self.gradient_checkpointing):
+            return "shared"
+        return "padded"
 
     @field_validator("policy_loss")
     @classmethod
@@ -178,9 +218,11 @@ class CriticConfig(OptimConfig):
 
 
 class RefConfig(Section):
-    """The frozen reference policy (when a KL term is on)."""
+    """The frozen reference policy (when a KL term is on); it runs with the actor's precision and layout."""
 
     micro_batch_size: int = Field(32, gt=0, description="sequences per forward per rank")
+    max_tokens_per_micro_batch: int | None = Field(None, gt=0, description="token budget of a micro-batch "
+                                                   "(as actor.max_tokens_per_micro_batch)")
 
 
 class AlgorithmConfig(Section):

@@ -15,6 +15,7 @@ from engine.models import dropout_left, load_value_model, positions
 from engine.seeds import derive_seed
 from engine.workers import fsdp
 from engine.workers.base import RankWorker
+from engine.workers.policy import packed_inputs
 
 
 class CriticSpec(BaseModel):
@@ -36,7 +37,7 @@ class CriticWorker(RankWorker):
         spec = self.spec
         torch.manual_seed(derive_seed(spec.seed, 0, "critic_head"))  # the new value head's init
         model = load_value_model(spec.model_path, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code)
-        self.model = fsdp.shard_model(model, spec.critic.reshard_after_forward)
+        self.model = fsdp.shard_model(model, **fsdp.shard_options(spec.critic))
         self.optimizer = fsdp.build_optimizer(self.model, spec.critic)
         self.scheduler = fsdp.build_scheduler(self.optimizer, spec.critic, spec.total_iterations)
 
@@ -45,8 +46,14 @@ class CriticWorker(RankWorker):
         """`values` [B, T]: the value of the state before each response token."""
         self.check_version(expected_version)
         self.model.eval()
-        chunks = [response_values(self.model, c) for c in batch.chunks(self.spec.critic.micro_batch_size)]
-        return Batch({"values": torch.cat(chunks)}, {})
+        cfg = self.spec.critic
+        values = torch.zeros(batch["responses"].shape, dtype=torch.float32)
+        for rows in fsdp.plan_micro_batches(batch, max_rows=cfg.micro_batch_size, packed=cfg.packed_sequences,
+                                            max_tokens=cfg.max_tokens_per_micro_batch):
+            out = response_values(self.model, fsdp.micro_batch(batch, rows), cfg.packed_sequences)
+            if rows:  # an empty micro-batch runs for the collectives only
+                values[rows] = out
+        return Batch({"values": values}, {})
 
     def update_critic(self, batch: Batch, *, iteration: int, expected_version: int | None) -> dict[str, float]:
         """Clipped value regression on `returns` (needs `values`, `returns`, `response_mask`)."""
@@ -63,12 +70,13 @@ class CriticWorker(RankWorker):
         local["critic/lr"] = torch.tensor(lr)
         return fsdp.all_reduce_mean(local)
 
-    def gradients(self, batch: Batch, *, micro_batch_size: int | None = None, loss_agg_mode: str | None = None
-                  ) -> dict[str, torch.Tensor]:
+    def gradients(self, batch: Batch, *, micro_batch_size: int | None = None, loss_agg_mode: str | None = None,
+                  max_tokens_per_micro_batch: int | None = None) -> dict[str, torch.Tensor]:
         """The gradient of the value loss on `batch` as one mini-batch, before clipping (as PolicyWorker's)."""
         critic = self.spec.critic.model_copy(update={
             "micro_batch_size": micro_batch_size or self.spec.critic.micro_batch_size,
-            "loss_agg_mode": loss_agg_mode or self.spec.critic.loss_agg_mode})
+            "loss_agg_mode": loss_agg_mode or self.spec.critic.loss_agg_mode,
+            "max_tokens_per_micro_batch": max_tokens_per_micro_batch or self.spec.critic.max_tokens_per_micro_batch})
         saved, self.spec = self.spec, self.spec.model_copy(update={"critic": critic})
         try:
             self.model.train()
@@ -82,7 +90,8 @@ class CriticWorker(RankWorker):
 
     def _micro_loss(self, micro: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss, stats = algos.clipped_value_loss(
-            vpreds=response_values(self.model, micro), values=micro["values"], returns=micro["returns"],
+            vpreds=response_values(self.model, micro, self.spec.critic.packed_sequences), values=micro["values"],
+            returns=micro["returns"],
             response_mask=micro["response_mask"], clip_range_value=self.spec.critic.clip_range_value,
             loss_agg_mode=self.spec.critic.loss_agg_mode, max_response_length=self.spec.max_response_length,
         )
@@ -108,8 +117,14 @@ class CriticWorker(RankWorker):
         return self.version
 
 
-def response_values(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """[B, P+T] inputs -> values [B, T]: the output at position j values the state that emits token j+1."""
+def response_values(model: nn.Module, batch: Batch, packed: bool = False) -> torch.Tensor:
+    """[B, P+T] inputs -> values [B, T]: the output at position j values the state that emits token j+1.
+    `packed`: the rows run as one sequence without padding (policy.packed_inputs)."""
+    if packed:
+        t = batch["responses"].shape[1]
+        ids, pos, index = packed_inputs(batch, t)
+        out = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False).logits[0, :, 0]  # [N]
+        return out[index].float()  # [B, T]; past a row's response: its last position's (masked by the loss)
     attention_mask = batch["attention_mask"]
     position_ids = positions(attention_mask)
     t = batch["responses"].shape[1]

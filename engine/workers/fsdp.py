@@ -7,7 +7,8 @@ segfaults gathering with CPU offload (measured, see DESIGN.md).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -19,19 +20,63 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from engine import algos, checkpoint_io
 from engine.batch import Batch
 from engine.config import OptimConfig
 
 
-def shard_model(model: nn.Module, reshard_after_forward: bool = True) -> nn.Module:
-    """FSDP2 per decoder layer, then the root (embeddings, final norm, head)."""
+def shard_model(model: nn.Module, reshard_after_forward: bool = True, mixed_precision: str = "none",
+                cpu_offload: bool = False, gradient_checkpointing: bool = False) -> nn.Module:
+    """FSDP2 per decoder layer, then the root (embeddings, final norm, head).
+
+    mixed_precision "bf16": FSDP2's MixedPrecisionPolicy, bf16 parameters for forward and backward,
+    gradients reduced in fp32; the sharded (master) parameters, hence the optimizer state, are fp32.
+    cpu_offload: FSDP2's CPUOffloadPolicy when the model is on an accelerator; a model on the CPU has its
+    parameters, gradients and optimizer state in host memory already (FSDP2 refuses the policy there),
+    so there it is nothing to do. gradient_checkpointing: transformers' own, per decoder layer (it
+    recomputes `forward` inside FSDP2's hooks), non-reentrant.
+    """
+    options: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
+    if mixed_precision == "bf16":
+        model.float()  # master weights in fp32 whatever the checkpoint's dtype
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    elif mixed_precision != "none":
+        raise ValueError(f"mixed_precision {mixed_precision!r}: allowed: none, bf16")
+    if cpu_offload and next(model.parameters()).device.type != "cpu":
+        options["offload_policy"] = CPUOffloadPolicy()
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for layer in decoder_layers(model):
-        fully_shard(layer, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
     return model
+
+
+def shard_options(cfg: OptimConfig) -> dict[str, Any]:
+    """shard_model's keyword arguments from an actor or critic config."""
+    return {"reshard_after_forward": cfg.reshard_after_forward, "mixed_precision": cfg.mixed_precision,
+            "cpu_offload": cfg.cpu_offload, "gradient_checkpointing": cfg.gradient_checkpointing}
+
+
+@contextmanager
+def gathered(model: nn.Module, reshard_after_forward: bool = True) -> Iterator[nn.Module]:
+    """`model`'s parameters all-gathered once (the same collectives on every rank) and kept unsharded
+    until the block ends: forward passes inside issue no collective, so ranks may run different numbers
+    of them (a decode loop whose rows end at different steps). Resharded at the end, and
+    `reshard_after_forward` (what the model was sharded with) set again."""
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for module in modules:
+        module.set_reshard_after_forward(False)
+    try:
+        for module in modules:
+            module.unshard()
+        yield model
+    finally:
+        for module in modules:
+            module.reshard()
+            module.set_reshard_after_forward(reshard_after_forward)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -162,7 +207,9 @@ def accumulate_gradients(minibatch: Batch, *, model: nn.Module, cfg: OptimConfig
     loss weighted (micro_weights) so that the accumulated gradient, averaged over the ranks by FSDP,
     is the gradient of the loss aggregated over the whole global mini-batch. Returns the stats
     weighted the same way (this rank's share of the mini-batch value)."""
-    micros = by_length(minibatch, group_prompts).chunks(cfg.micro_batch_size)
+    plan = plan_micro_batches(minibatch, max_rows=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch,
+                              packed=cfg.packed_sequences, group_prompts=group_prompts)
+    micros = [micro_batch(minibatch, rows) for rows in plan]
     once = cfg.grad_sync == "optimizer_step"
     step: dict[str, torch.Tensor] = {}
     for i, (micro, weight) in enumerate(zip(micros, micro_weights(micros, loss_agg_mode))):
@@ -190,13 +237,61 @@ def full_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     return grads
 
 
-def by_length(batch: Batch, group_prompts: bool = False) -> Batch:
-    """The rows reordered so that each micro-batch's padding is short (see `length_order`): the forward
-    pass leaves out what is padding in all its rows (policy.response_logits). Micro-batch gradients add
-    up with global weights (micro_weights), so the grouping does not change the update."""
-    if "response_mask" not in batch:
-        return batch
-    return batch.index(length_order(batch, group_prompts).tolist())
+def plan_micro_batches(batch: Batch, *, max_rows: int, max_tokens: int | None = None, packed: bool = False,
+                       group_prompts: bool = False) -> list[list[int]]:
+    """This rank's micro-batches of `batch`, as row indices: rows in length order (see `length_order`),
+    at most `max_rows` per micro-batch and, with a token budget, at most `max_tokens` tokens as the
+    forward processes them (padded: rows x the longest row; packed: the sum of the rows); a row longer
+    than the budget is a micro-batch of its own. Then as many micro-batches as the rank with the most:
+    every forward all-gathers under FSDP2, so the ranks' counts must agree; the missing ones are empty
+    lists (`micro_batch` makes them a row with no response token, whose loss weighs 0)."""
+    if len(batch) == 0:
+        order: list[int] = []
+    elif "response_mask" in batch:
+        order = length_order(batch, group_prompts).tolist()
+    else:
+        order = list(range(len(batch)))
+    plans: list[list[int]] = []
+    if max_tokens is None:
+        plans = [order[i:i + max_rows] for i in range(0, len(order), max_rows)]
+    else:
+        tokens = row_tokens(batch)
+        current: list[int] = []
+        longest = 0
+        for row in order:
+            cost_if_added = (sum(tokens[r] for r in current) + tokens[row] if packed
+                             else (len(current) + 1) * max(longest, tokens[row]))
+            if current and (len(current) == max_rows or cost_if_added > max_tokens):
+                plans.append(current)
+                current, longest = [], 0
+            current.append(row)
+            longest = max(longest, tokens[row])
+        if current:
+            plans.append(current)
+    count = int(global_max(len(plans)))
+    return plans + [[] for _ in range(count - len(plans))]
+
+
+def row_tokens(batch: Batch) -> list[int]:
+    """Real tokens of each row: its prompt's and its response's (`attention_mask` covers both)."""
+    return [int(n) for n in batch["attention_mask"].sum(-1).tolist()]
+
+
+def micro_batch(batch: Batch, rows: list[int]) -> Batch:
+    """The rows of a micro-batch; no rows: the first row with its response masked out (a forward and
+    backward that count for nothing, so that this rank issues the collectives its peers do)."""
+    if rows:
+        return batch.index(rows)
+    empty = batch.index([0])
+    return empty.with_tensors(response_mask=torch.zeros_like(empty["response_mask"]))
+
+
+def global_max(value: float) -> float:
+    """Maximum of a number over the ranks (one collective)."""
+    t = torch.tensor([value], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
 
 
 def length_order(batch: Batch, group_prompts: bool) -> torch.Tensor:

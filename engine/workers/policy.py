@@ -1,8 +1,9 @@
 """PolicyWorker: actor, rollout and reference in one process per rank (the hybrid engine).
 
 - actor: the policy under FSDP2 with AdamW, gradient clipping and an LR schedule; it is what trains.
-- rollout: an unsharded copy of the policy that generates; refreshed from the actor's shards after
-  every update (the train-to-generate transition, `timing_s/weight_sync`).
+- rollout: generation. `rollout.weights=actor` (default): from the actor itself, its parameters gathered
+  for the rollout and resharded after, so no rank holds a second copy of the model; `copy`: an unsharded
+  copy, refreshed from the actor's shards after every update (`timing_s/weight_sync`).
 - ref: the frozen initial policy, sharded, for KL (only when a KL term is configured).
 
 Batches carry: `input_ids` [B, P+T] and `attention_mask` [B, P+T] (left-padded prompt, right-padded
@@ -16,7 +17,9 @@ import copy
 import os
 import signal
 import time
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -60,18 +63,24 @@ class PolicyWorker(RankWorker):
         torch.manual_seed(spec.seed)
         self.tokenizer = load_tokenizer(spec.tokenizer_path, trust_remote_code=spec.trust_remote_code)
         base = load_model(spec.model_path, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code)
-        self.rollout_model = copy.deepcopy(base)  # unsharded, generation only
+        stops = sorted(stop_token_ids(self.tokenizer, base))
+        self.rollout_model: nn.Module | None = None  # the copy (rollout.weights=copy)
+        if spec.rollout.weights == "copy":
+            self.rollout_model = copy.deepcopy(base)  # unsharded, generation only
+            if spec.actor.mixed_precision == "bf16":  # generate with the precision the actor computes in
+                self.rollout_model.to(torch.bfloat16)
         # Every model is loaded without dropout (engine.models): train mode changes nothing but autograd.
-        self.actor = fsdp.shard_model(base, spec.actor.reshard_after_forward)
+        self.actor = fsdp.shard_model(base, **fsdp.shard_options(spec.actor))
         self.optimizer = fsdp.build_optimizer(self.actor, spec.actor)
         self.scheduler = fsdp.build_scheduler(self.optimizer, spec.actor, spec.total_iterations)
         self.ref: nn.Module | None = None
-        if spec.use_ref:
+        if spec.use_ref:  # the actor's precision and offload, no checkpointing (no backward)
             ref = load_model(spec.model_path, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code)
             ref.requires_grad_(False)
-            self.ref = fsdp.shard_model(ref.eval())
-        stops = sorted(stop_token_ids(self.tokenizer, self.rollout_model))
-        self.rollout = make_rollout(spec.rollout.name, self.rollout_model, int(self.tokenizer.pad_token_id), stops)
+            self.ref = fsdp.shard_model(ref.eval(), mixed_precision=spec.actor.mixed_precision,
+                                        cpu_offload=spec.actor.cpu_offload)
+        generator = self.rollout_model if self.rollout_model is not None else self.actor
+        self.rollout = make_rollout(spec.rollout.name, generator, int(self.tokenizer.pad_token_id), stops)
 
     # -- generation ---------------------------------------------------------------------------------
     def generate(self, prompts: Batch, *, iteration: int, expected_version: int | None, do_sample: bool = True
@@ -82,9 +91,10 @@ class PolicyWorker(RankWorker):
         params = SamplingParams(cfg.max_new_tokens, do_sample, cfg.temperature, cfg.top_p, cfg.top_k)
         stage = "rollout" if do_sample else "rollout_greedy"
         outs = []
-        for i, micro in enumerate(prompts.chunks(cfg.micro_batch_size) if len(prompts) else []):
-            seed = derive_seed(self.spec.seed, iteration, f"{stage}/{i}", self.rank)
-            outs.append(self.rollout.generate(micro["input_ids"], micro["attention_mask"], params, seed))
+        with self._generating():
+            for i, micro in enumerate(prompts.chunks(cfg.micro_batch_size) if len(prompts) else []):
+                seed = derive_seed(self.spec.seed, iteration, f"{stage}/{i}", self.rank)
+                outs.append(self.rollout.generate(micro["input_ids"], micro["attention_mask"], params, seed))
         responses = torch.cat([o.responses for o in outs])  # [B, T]
         response_mask = torch.cat([o.response_mask for o in outs])  # [B, T]
         return prompts.with_tensors(
@@ -95,13 +105,26 @@ class PolicyWorker(RankWorker):
             response_mask=response_mask,
         )
 
+    @contextmanager
+    def _generating(self) -> Iterator[None]:
+        """From the actor: its parameters gathered for the whole rollout (one all-gather per layer, the same
+        on every rank; no collective while decoding, so ranks may take different numbers of steps), then
+        resharded. From the copy: nothing to do."""
+        if self.rollout_model is not None:
+            yield
+            return
+        self.actor.eval()
+        with fsdp.gathered(self.actor, self.spec.actor.reshard_after_forward):
+            yield
+
     # -- log-probs ---------------------------------------------------------------------------------
     @torch.no_grad()
     def compute_log_prob(self, batch: Batch, *, expected_version: int | None) -> Batch:
         """Old log-probs and entropy of the responses under the actor: `old_logp`, `entropy` [B, T]."""
         self.check_version(expected_version)
         self.actor.eval()
-        logp, entropy = self._forward_chunks(self.actor, batch, self.spec.actor.micro_batch_size, entropy=True)
+        budget = self.spec.rollout.log_prob_max_tokens_per_micro_batch or self.spec.actor.max_tokens_per_micro_batch
+        logp, entropy = self._forward_chunks(self.actor, batch, self.spec.actor.micro_batch_size, budget, entropy=True)
         return Batch({"old_logp": logp, "entropy": entropy}, {})
 
     @torch.no_grad()
@@ -109,28 +132,38 @@ class PolicyWorker(RankWorker):
         """`ref_logp` [B, T] under the frozen reference policy."""
         if self.ref is None:
             raise RuntimeError("this policy was built without a reference model (no KL term configured)")
-        logp, _ = self._forward_chunks(self.ref, batch, self.spec.ref.micro_batch_size, entropy=False)
+        ref = self.spec.ref
+        logp, _ = self._forward_chunks(self.ref, batch, ref.micro_batch_size, ref.max_tokens_per_micro_batch,
+                                       entropy=False)
         return Batch({"ref_logp": logp}, {})
 
     @torch.no_grad()
     def rollout_log_prob(self, batch: Batch) -> Batch:
-        """`logp` [B, T] under the rollout copy (checks the train-to-generate sync)."""
-        logp, _ = self._forward_chunks(self.rollout_model, batch, self.spec.actor.micro_batch_size, entropy=False)
-        return Batch({"logp": logp}, {})
+        """`logp` [B, T] of the generating weights (the copy, or the actor gathered as for a rollout):
+        checks the train-to-generate path."""
+        with self._generating():
+            model = self.rollout_model if self.rollout_model is not None else self.actor
+            logits = response_logits(model, batch, self.spec.rollout.temperature, "padded")
+        return Batch({"logp": algos.logprobs_from_logits(logits, batch["responses"])}, {})
 
-    def _forward_chunks(self, model: nn.Module, batch: Batch, micro: int, entropy: bool
+    def _forward_chunks(self, model: nn.Module, batch: Batch, rows: int, tokens: int | None, entropy: bool
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        logps, ents = [], []
-        share = self.spec.actor.share_prompts
-        order = fsdp.length_order(batch, group_prompts=share)  # short padding per chunk, groups together
-        for chunk in batch.index(order.tolist()).chunks(micro):
-            logits = response_logits(model, chunk, self.spec.rollout.temperature, share)  # [b, T, V]
-            logps.append(algos.logprobs_from_logits(logits, chunk["responses"]))
+        """[B, T] log-probs (and entropies) of `batch`'s responses, in micro-batches planned as the update's
+        (the same count on every rank: each forward all-gathers)."""
+        layout = self.spec.actor.forward_layout
+        plan = fsdp.plan_micro_batches(batch, max_rows=rows, max_tokens=tokens, packed=layout == "packed",
+                                       group_prompts=layout == "shared")
+        logp = torch.zeros(batch["responses"].shape, dtype=torch.float32)
+        ent = torch.zeros_like(logp)
+        for micro_rows in plan:
+            micro = fsdp.micro_batch(batch, micro_rows)
+            logits = response_logits(model, micro, self.spec.rollout.temperature, layout)  # [b, T, V]
+            if not micro_rows:  # an empty micro-batch: run for the collectives, nothing to keep
+                continue
+            logp[micro_rows] = algos.logprobs_from_logits(logits, micro["responses"])
             if entropy:
-                ents.append(algos.entropy_from_logits(logits))
-        back = torch.argsort(order)  # the rows in the caller's order again
-        logp = torch.cat(logps)[back]
-        return logp, (torch.cat(ents)[back] if entropy else torch.zeros_like(logp))
+                ent[micro_rows] = algos.entropy_from_logits(logits)
+        return logp, ent
 
     # -- update ------------------------------------------------------------------------------------
     def update_actor(self, batch: Batch, *, iteration: int, expected_version: int | None) -> dict[str, float]:
@@ -142,26 +175,28 @@ class PolicyWorker(RankWorker):
         local = fsdp.train_epochs(batch, model=self.actor, optimizer=self.optimizer, cfg=self.spec.actor,
                                   loss_agg_mode=self.spec.actor.loss_agg_mode, generator=gen,
                                   micro_loss=self._micro_loss, grad_norm_key="actor/grad_norm",
-                                  after_backward=self._maybe_exit, group_prompts=self.spec.actor.share_prompts)
+                                  after_backward=self._maybe_exit,
+                                  group_prompts=self.spec.actor.forward_layout == "shared")
         self.scheduler.step()
         self.version = iteration
         local["actor/lr"] = torch.tensor(lr)
         return fsdp.all_reduce_mean(local)
 
-    def gradients(self, batch: Batch, *, micro_batch_size: int | None = None, loss_agg_mode: str | None = None
-                  ) -> dict[str, torch.Tensor]:
+    def gradients(self, batch: Batch, *, micro_batch_size: int | None = None, loss_agg_mode: str | None = None,
+                  max_tokens_per_micro_batch: int | None = None) -> dict[str, torch.Tensor]:
         """The gradient the update would step with on `batch` as ONE mini-batch (before clipping), full
         tensors on every rank; the weights and optimizer are untouched. For equivalence tests: the update's
-        own code path (accumulate_gradients), with the micro-batch size and aggregation overridable."""
+        own code path (accumulate_gradients), with the micro-batching and aggregation overridable."""
         actor = self.spec.actor.model_copy(update={
             "micro_batch_size": micro_batch_size or self.spec.actor.micro_batch_size,
-            "loss_agg_mode": loss_agg_mode or self.spec.actor.loss_agg_mode})
+            "loss_agg_mode": loss_agg_mode or self.spec.actor.loss_agg_mode,
+            "max_tokens_per_micro_batch": max_tokens_per_micro_batch or self.spec.actor.max_tokens_per_micro_batch})
         saved, self.spec = self.spec, self.spec.model_copy(update={"actor": actor})
         try:
             self.actor.train()
             self.optimizer.zero_grad(set_to_none=True)
             fsdp.accumulate_gradients(batch, model=self.actor, cfg=actor, loss_agg_mode=actor.loss_agg_mode,
-                                      micro_loss=self._micro_loss, group_prompts=actor.share_prompts)
+                                      micro_loss=self._micro_loss, group_prompts=actor.forward_layout == "shared")
             return fsdp.full_gradients(self.actor)
         finally:
             self.optimizer.zero_grad(set_to_none=True)
@@ -175,7 +210,7 @@ class PolicyWorker(RankWorker):
         cfg = self.spec.actor
         length = self.spec.rollout.max_new_tokens  # Dr. GRPO's constant normalizer (algos.agg)
         mask = micro["response_mask"]
-        logits = response_logits(self.actor, micro, self.spec.rollout.temperature, cfg.share_prompts)  # [b, T, V]
+        logits = response_logits(self.actor, micro, self.spec.rollout.temperature, cfg.forward_layout)  # [b, T, V]
         logp = algos.logprobs_from_logits(logits, micro["responses"])
         policy_loss = algos.get_policy_loss(cfg.policy_loss)
         pg_loss, pg_stats = policy_loss(
@@ -203,9 +238,11 @@ class PolicyWorker(RankWorker):
 
     # -- weights -----------------------------------------------------------------------------------
     def sync_rollout_weights(self) -> dict[str, float]:
-        """Gather the actor's shards into the rollout copy (every rank calls it: an all-gather)."""
+        """Gather the actor's shards into the rollout copy (every rank calls it: an all-gather). Generating
+        from the actor itself there is nothing to sync."""
         start = time.perf_counter()
-        self.rollout.load_weights(fsdp.full_state_dict(self.actor))
+        if self.rollout_model is not None:
+            self.rollout.load_weights(fsdp.full_state_dict(self.actor))
         return {"timing_s/weight_sync": time.perf_counter() - start}
 
     def save(self, url: str, storage_options: dict[str, Any]) -> list[dict[str, Any]]:
@@ -233,7 +270,7 @@ class PolicyWorker(RankWorker):
         state = fsdp.full_state_dict_rank0(self.actor)
         if self.rank != 0:
             return None
-        model = copy.deepcopy(self.rollout_model)
+        model = load_model(self.spec.model_path, dtype=self.spec.dtype, trust_remote_code=self.spec.trust_remote_code)
         model.load_state_dict(state)
         with tempfile.TemporaryDirectory(prefix="rlflow-export-") as tmp:
             model.save_pretrained(tmp)
@@ -243,15 +280,25 @@ class PolicyWorker(RankWorker):
             fs.put(f"{tmp}/", path, recursive=True)
         return url
 
+    def state_dtypes(self) -> dict[str, list[str]]:
+        """The dtypes of the actor's sharded (master) parameters and of its optimizer state."""
+        params = {str(p.dtype) for p in self.actor.parameters()}
+        optim = {str(v.dtype) for state in self.optimizer.state.values() for k, v in state.items()
+                 if isinstance(v, torch.Tensor) and k != "step"}
+        return {"params": sorted(params), "optimizer": sorted(optim)}
+
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds of actor parameters (its shards) and optimizer state."""
+        """Bytes this rank holds of actor parameters (its shards) and optimizer state, and of the rollout's
+        own copy of the model (0 when generating from the actor)."""
         def local(t: torch.Tensor) -> torch.Tensor:
             return t.to_local() if hasattr(t, "to_local") else t
 
         params = sum(local(p).numel() * p.element_size() for p in self.actor.parameters())
         optim = sum(local(v).numel() * v.element_size() for state in self.optimizer.state.values()
                     for v in state.values() if isinstance(v, torch.Tensor))
-        return {"params": int(params), "optimizer": int(optim)}
+        copy_bytes = sum(p.numel() * p.element_size() for p in self.rollout_model.parameters()) \
+            if self.rollout_model is not None else 0
+        return {"params": int(params), "optimizer": int(optim), "rollout_copy": int(copy_bytes)}
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The full actor weights on rank 0 (empty on the others); every rank joins the gather."""
@@ -259,7 +306,7 @@ class PolicyWorker(RankWorker):
 
     def dropout_left(self) -> dict[str, list[str]]:
         """Where each model of this rank would still drop anything (engine.models.dropout_left): empty lists."""
-        models = {"actor": self.actor, "rollout": self.rollout_model, "ref": self.ref}
+        models = {"actor": self.actor, "rollout copy": self.rollout_model, "ref": self.ref}
         return {name: dropout_left(m) for name, m in models.items() if m is not None}
 
     def weights_digest(self) -> str:
@@ -273,24 +320,31 @@ class PolicyWorker(RankWorker):
         return digest.hexdigest()
 
 
-def response_logits(model: nn.Module, batch: Batch, temperature: float, share_prompts: bool = True) -> torch.Tensor:
+Layout = Literal["shared", "packed", "padded"]
+
+
+def response_logits(model: nn.Module, batch: Batch, temperature: float, layout: Layout = "shared") -> torch.Tensor:
     """Logits that score each response token: [B, P+T] inputs -> [B, T, V], divided by the sampling
     temperature so log-probs match the distribution the rollout sampled from (as verl does).
 
-    Columns that are padding in every row never reach the model: the left padding all prompts share
-    and the responses' tail past the longest response of `batch` (a micro-batch). Real tokens get the
-    same logits (their positions count real tokens, pads are masked keys); the positions past the
-    longest response get zeros, which every loss and statistic masks out.
-
-    `share_prompts`: rows with the same prompt (a GRPO group) share one forward pass of it; see
-    `_shared_prompt_logits`. The number of forward passes depends on the setting only, never on the
-    data: under FSDP2 every forward all-gathers, so ranks whose micro-batches differ (one repeats a
-    prompt, the other does not) must still issue the same collectives.
+    `layout` (ActorConfig.forward_layout), how the rows run through the model:
+    - "padded": one forward of the rows, left-padded prompts and right-padded responses. Columns that
+      are padding in every row never reach the model (the shared left padding, the responses' tail past
+      the longest response); real tokens get the same logits (positions count real tokens, pads are
+      masked keys).
+    - "shared": rows with the same prompt (a GRPO group) share one forward pass of it; see
+      `_shared_prompt_logits`.
+    - "packed": the rows run as one sequence without any padding; see `_packed_logits`.
+    Positions past the longest response get zeros, which every loss and statistic masks out. The number
+    of forward passes depends on the layout only, never on the data: under FSDP2 every forward
+    all-gathers, so ranks whose micro-batches differ must still issue the same collectives.
     """
     t = batch["responses"].shape[1]
     keep = max(1, int(batch["response_mask"].sum(-1).max()))
-    if share_prompts:
+    if layout == "shared":
         out = _shared_prompt_logits(model, batch, *fsdp.prompt_groups(batch), keep)
+    elif layout == "packed":
+        out = _packed_logits(model, batch, keep)
     else:
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
         first = _first_real_column(attention_mask)
@@ -300,6 +354,36 @@ def response_logits(model: nn.Module, batch: Batch, temperature: float, share_pr
         out = logits[:, -keep - 1 : -1].float()  # position j predicts token j+1
     out = out / temperature
     return F.pad(out, (0, 0, 0, t - keep)) if keep < t else out
+
+
+def packed_inputs(batch: Batch, keep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows' real tokens end to end, as one sequence: (input_ids [1, N], position_ids [1, N], index
+    [B, keep] of the position whose logits predict each response token, clamped into the row).
+
+    Each row contributes its prompt's real tokens and its first `keep` response columns that are real;
+    position ids restart at 0 for every row, which is how transformers (masking_utils) recognises packed
+    sequences and keeps attention within each row when no attention mask is given."""
+    t = batch["responses"].shape[1]
+    mask = batch["attention_mask"][:, : batch["input_ids"].shape[1] - t + keep].bool()  # [B, P+keep]
+    ids = batch["input_ids"][:, : mask.shape[1]][mask]  # [N]
+    lengths = mask.sum(-1)  # [B] real tokens of each row
+    starts = lengths.cumsum(0) - lengths  # [B] where each row begins in the sequence
+    pos = torch.arange(int(lengths.sum())) - starts.repeat_interleave(lengths)  # restarts at 0 per row
+    prompt_len = mask.shape[1] - keep - (~mask[:, : mask.shape[1] - keep]).sum(-1)  # [B] real prompt tokens
+    # response token j is predicted by the row's position prompt_len - 1 + j
+    offset = (prompt_len - 1).unsqueeze(1) + torch.arange(keep).unsqueeze(0)  # [B, keep]
+    index = starts.unsqueeze(1) + offset.clamp(max=(lengths - 1).unsqueeze(1))
+    return ids.unsqueeze(0), pos.unsqueeze(0), index
+
+
+def _packed_logits(model: nn.Module, batch: Batch, keep: int) -> torch.Tensor:
+    """[B, keep, V] float logits of the rows run as one sequence (verl's use_remove_padding): no token
+    is padding, so a micro-batch of rows of very different lengths costs what its real tokens cost.
+    Logits past a row's response are taken from its last position; the response mask zeroes them."""
+    ids, pos, index = packed_inputs(batch, keep)
+    # No cache: with one, transformers would not look for packed rows in the position ids.
+    logits = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False).logits[0]  # [N, V]
+    return logits[index].float()  # [B, keep, V]
 
 
 def _shared_prompt_logits(model: nn.Module, batch: Batch, unique: torch.Tensor, inverse: torch.Tensor,

@@ -352,8 +352,9 @@ def test_fsdp_communication_options_give_the_same_gradient(ray_address: str, tin
 
 
 def test_no_model_of_the_engine_drops_anything(ray_address: str, tmp_path: Path, tiny_model_dir: Path) -> None:
-    """Actor, rollout copy, ref and critic of a model whose config sets attention dropout 0.1 (the
-    critic's head would default to 0.1 too): every rate is 0, so values and log-probs are repeatable."""
+    """Actor, rollout copy (rollout.weights=copy), ref and critic of a model whose config sets attention
+    dropout 0.1 (the critic's head would default to 0.1 too): every rate is 0, so values and log-probs
+    are repeatable."""
     import json
     import shutil
 
@@ -361,10 +362,12 @@ def test_no_model_of_the_engine_drops_anything(ray_address: str, tmp_path: Path,
     shutil.copytree(tiny_model_dir, model)
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
-    eng = Engine.start(make_spec(model, "no-dropout", critic=True))
+    spec = make_spec(model, "no-dropout", critic=True)
+    spec.policy.rollout.weights = "copy"
+    eng = Engine.start(spec)
     try:
         reports = eng.policy.call("dropout_left") + eng.critic.call("dropout_left")
-        assert {name for r in reports for name in r} == {"actor", "rollout", "ref", "critic"}
+        assert {name for r in reports for name in r} == {"actor", "rollout copy", "ref", "critic"}
         assert all(not left for r in reports for left in r.values()), reports
         batch = eng.generate(prompts(model), iteration=1, expected_version=0)
         first, again = (eng.compute_values(batch, expected_version=0)["values"] for _ in range(2))

@@ -197,7 +197,7 @@ def test_response_logits_skips_all_pad_columns_and_keeps_real_token_logits(tiny_
     seen: list[int] = []
     hook = model.register_forward_pre_hook(lambda _m, _a, kw: seen.append(kw["input_ids"].shape[1]), with_kwargs=True)
     with torch.no_grad():
-        trimmed = response_logits(model, batch, 1.0, share_prompts=False)
+        trimmed = response_logits(model, batch, 1.0, "padded")
     hook.remove()
     assert trimmed.shape == (2, 6, len(tokenizer)) and seen == [enc.input_ids.shape[1] + 3]
     ids, mask = batch["input_ids"], batch["attention_mask"]
@@ -235,7 +235,7 @@ def test_shared_prompt_forward_equals_the_padded_forward_with_gradients(tiny_dir
         hook = model.register_forward_pre_hook(lambda _m, _a, kw, seen=seen: seen.append(tuple(kw["input_ids"].shape)),
                                                with_kwargs=True)
         model.zero_grad()
-        logits = response_logits(model, batch, 0.7, share_prompts=share)
+        logits = response_logits(model, batch, 0.7, "shared" if share else "padded")
         (logits.logsumexp(-1) * response_mask).sum().backward()
         hook.remove()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -274,7 +274,7 @@ def test_shared_prompt_forward_runs_two_passes_whatever_the_data(tiny_dir: Path)
     results = {}
     for share in (False, True):
         model.zero_grad()
-        logits = response_logits(model, batch, 1.0, share_prompts=share)
+        logits = response_logits(model, batch, 1.0, "shared" if share else "padded")
         (logits.logsumexp(-1) * response_mask.unsqueeze(-1)).sum().backward()
         results[share] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
     hook.remove()
