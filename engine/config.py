@@ -63,7 +63,12 @@ class DataConfig(Section):
     train_size: int = Field(2000, gt=0, description="rows of the synthetic train split")
     val_size: int = Field(128, gt=0, description="rows of the synthetic validation split")
     prompt_key: str = "prompt"
-    max_prompt_length: int = Field(48, gt=0, description="prompts longer than this (tokens) are dropped")
+    max_prompt_length: int = Field(48, gt=0, description="the longest prompt in tokens (chat template applied); "
+                                   "what happens to a longer one: data.truncation")
+    truncation: Literal["drop", "error", "left", "right"] = Field(
+        "drop", description="a prompt over max_prompt_length: drop it (verl's filter_overlong_prompts, with a "
+        "count in the log), error (refused before the run, naming the row), left (keep its last tokens) or "
+        "right (keep its first tokens), as verl's data.truncation")
     train_batch_size: int = Field(8, gt=0, description="prompts per iteration")
     val_batch_size: int = Field(64, gt=0, description="validation prompts per generate call (all ranks)")
     shuffle: bool = True

@@ -94,8 +94,11 @@ def load_prompts(
     prompt_key: str = "prompt",
     max_prompt_length: int | None = None,
     length_fn: LengthFn | None = None,
+    truncation: str = "drop",
 ) -> PromptDataset:
-    """Load, validate and concatenate `files`; drop prompts over `max_prompt_length` when given.
+    """Load, validate and concatenate `files`; with `max_prompt_length`, drop the prompts over it
+    (truncation "drop") or refuse them ("error"); "left" and "right" keep every prompt, which the
+    encoding cuts (engine.models.encode_prompts).
 
     `length_fn` counts the tokens of a prompt's chat messages (the tokenizer's chat template applied);
     it is required when `max_prompt_length` is set.
@@ -106,11 +109,24 @@ def load_prompts(
     for path in files:
         rows.extend(_load_file(str(path), prompt_key))
     dataset = PromptDataset(rows, [str(p) for p in files], split)
-    if max_prompt_length is not None:
+    if max_prompt_length is not None and truncation in ("drop", "error"):
         if length_fn is None:
             raise ValueError("max_prompt_length needs a length_fn (prompt messages -> tokens)")
-        dataset = filter_long_prompts(dataset, max_prompt_length, length_fn)
+        if truncation == "error":
+            refuse_long_prompts(dataset, max_prompt_length, length_fn)
+        else:
+            dataset = filter_long_prompts(dataset, max_prompt_length, length_fn)
     return dataset
+
+
+def refuse_long_prompts(dataset: PromptDataset, max_length: int, length_fn: LengthFn) -> None:
+    """data.truncation=error: the first prompt over `max_length` tokens is one DataError naming it."""
+    for row in dataset.rows:
+        n = length_fn(row.prompt)
+        if n > max_length:
+            raise DataError(f"{dataset.split} row {row.origin} has {n} prompt tokens, over data.max_prompt_length="
+                            f"{max_length} (data.truncation=error); raise the limit, or set data.truncation to "
+                            "drop, left or right")
 
 
 def load_train_val(
@@ -135,6 +151,7 @@ def load_train_val(
             prompt_key=cfg.prompt_key,
             max_prompt_length=cfg.max_prompt_length,
             length_fn=length_fn,
+            truncation=cfg.truncation,
         )
 
     return load(train_files, "train"), (load(val_files, "val") if val_files else None)

@@ -316,11 +316,19 @@ def prompt_lengths(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt]
     return [len(ids) for ids in _token_ids(tokenizer, prompts)]
 
 
-def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt]) -> EncodedPrompts:
-    """Tokens of `prompts`, left padded with the tokenizer's pad id to the longest prompt."""
+def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt], max_length: int | None = None,
+                   truncation: str = "left") -> EncodedPrompts:
+    """Tokens of `prompts`, left padded with the tokenizer's pad id to the longest prompt. A prompt over
+    `max_length` tokens is cut: truncation "left" keeps its last tokens (the end of the conversation and
+    the generation prompt), "right" its first; any other truncation leaves it (the data layer dropped or
+    refused it already)."""
     if tokenizer.pad_token_id is None:
         prepare_tokenizer(tokenizer)
     ids = _token_ids(tokenizer, prompts)
+    if max_length is not None and truncation == "left":
+        ids = [seq[-max_length:] for seq in ids]
+    elif max_length is not None and truncation == "right":
+        ids = [seq[:max_length] for seq in ids]
     width = max((len(x) for x in ids), default=0)
     input_ids = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)  # (B, P)
     attention_mask = torch.zeros((len(ids), width), dtype=torch.long)  # (B, P)

@@ -74,6 +74,7 @@ class StageContext:
                 files, split=split, prompt_key=self.plan.data.prompt_key,
                 max_prompt_length=self.plan.data.max_prompt_length,
                 length_fn=lambda prompt: prompt_lengths(self.tokenizer, [prompt])[0],
+                truncation=self.plan.data.truncation,
             )
         return self._cache[split]  # type: ignore[no-any-return]
 
@@ -99,7 +100,8 @@ class StageContext:
         return self._encode(rows, list(range(len(rows))))
 
     def _encode(self, rows: list[Any], indices: list[int]) -> Batch:
-        enc = encode_prompts(self.tokenizer, [r.prompt for r in rows])
+        data = self.plan.data
+        enc = encode_prompts(self.tokenizer, [r.prompt for r in rows], data.max_prompt_length, data.truncation)
         return Batch(
             {
                 "input_ids": enc.input_ids,  # [B, P] left padded

@@ -418,6 +418,9 @@ def validate(plan: RunPlan, iteration: int) -> StageResult:
                         for chunk in prompts.chunks(ctx.plan.data.val_batch_size)])
     out = out.with_columns(response_text=decode_responses(ctx.tokenizer, out["responses"]))
     score = _score(ctx, out)
+    # The validation responses and their scores, readable like the training buffers (not consumed by any
+    # stage: a retried validation replaces them).
+    write_buffer(ctx.store, ctx.plan.run_id, iteration, "validation", out.with_tensors(score=score))
     metrics = {"val/score/mean": float(score.mean()), "timing_s/validate": time.perf_counter() - start,
                "val/response_length/mean": float(out["response_mask"].sum(-1).float().mean())}
     for source in sorted(set(out["data_source"])):

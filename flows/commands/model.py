@@ -31,6 +31,12 @@ def _make_tiny(args: argparse.Namespace) -> int:
     from engine import tiny  # torch and transformers load only for this command
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.family is not None:
+        from engine.families import build_family
+
+        out = build_family(args.family, args.out_dir, task=args.task, seed=args.seed)
+        print(f"built {out}: a random {args.family} model with its tokenizer and chat template, task {args.task}")
+        return 0
     report = tiny.build_tiny(args.out_dir, task=args.task, seed=args.seed, steps=args.steps)
     print(
         f"built {args.out_dir}: {report.num_parameters:,} parameters, task {report.task}, seed {report.seed}"

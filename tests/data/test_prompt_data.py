@@ -291,3 +291,30 @@ def test_load_train_val_from_config(tmp_path: Path) -> None:
     files = DataConfig(train_files=[str(tmp_path / "sort_train_n40_seed0.parquet")])
     train, val = load_train_val(files, length_fn=message_length, synthetic_dir=tmp_path / "unused")
     assert val is None and len(train) == 40 and not (tmp_path / "unused").exists()
+
+
+def test_truncation_error_names_the_first_long_row(tmp_path: Path) -> None:
+    contents = ["short", "x" * 30, "medium text"]
+    path = write_parquet(tmp_path / "t.parquet", [verl_row(i, c) for i, c in enumerate(contents)])
+    with pytest.raises(DataError) as err:
+        load_prompts([path], max_prompt_length=20, length_fn=message_length, truncation="error")
+    assert str(err.value).startswith(f"train row {path}:1 has ") and "data.truncation=error" in str(err.value)
+    assert len(load_prompts([path], max_prompt_length=20, length_fn=message_length, truncation="left")) == 3
+
+
+def test_truncation_left_and_right_cut_the_encoded_prompt(tmp_path: Path) -> None:
+    """left keeps the last tokens (the end of the conversation and the generation prompt), right the first."""
+    from engine.models import encode_prompts, load_tokenizer
+    from engine.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.save_pretrained(tmp_path / "tok")
+    tok = load_tokenizer(str(tmp_path / "tok"))
+    prompts = [[{"role": "user", "content": "1234567890"}], [{"role": "user", "content": "12"}]]
+    full = encode_prompts(tok, prompts)
+    row0 = full.input_ids[0][full.attention_mask[0].bool()].tolist()
+    left, right = encode_prompts(tok, prompts, 6, "left"), encode_prompts(tok, prompts, 6, "right")
+    assert left.input_ids.shape[1] == right.input_ids.shape[1] == 6
+    assert left.input_ids[0].tolist() == row0[-6:] and right.input_ids[0].tolist() == row0[:6]
+    short = full.input_ids[1][full.attention_mask[1].bool()].tolist()
+    assert left.input_ids[1][left.attention_mask[1].bool()].tolist() == short  # short prompts untouched

@@ -411,3 +411,33 @@ def test_a_pickle_in_the_extra_state_is_refused_not_run(engine: Engine, tmp_path
     with pytest.raises(EngineError, match="rank 0 failed in load: .*Weights only load failed"):
         engine.load(str(url))
     assert not (tmp_path / "pwned").exists()
+
+
+def test_responses_of_1024_tokens_and_their_clip_ratio(ray_address: str, tmp_path: Path) -> None:
+    """rollout.max_new_tokens=1024 on a Qwen2-shaped model (positions up to 2048): responses that long are
+    generated and trained on (token-budget micro-batches), and response_length/clip_ratio is the share
+    of responses that hit the limit."""
+    from engine.advantage import data_metrics
+    from engine.families import build_family
+
+    model = build_family("qwen2", tmp_path / "qwen2", task="arith")
+    spec = make_spec(model, "long-responses", use_ref=False, max_tokens_per_micro_batch=2400)
+    spec.policy.rollout.max_new_tokens = 1024
+    eng = Engine.start(spec)
+    try:
+        # Greedy, this random model loops without a stop token to the limit; sampled, it stops sooner.
+        greedy = eng.generate(prompts(model, n=4, repeat=1), iteration=1, expected_version=0, do_sample=False)
+        sampled = eng.generate(prompts(model, n=4, repeat=1), iteration=1, expected_version=0)
+        batch = Batch.concat([greedy, sampled])
+        lengths = batch["response_mask"].sum(-1)
+        print("response lengths:", lengths.tolist())
+        assert batch["responses"].shape[1] == 1024 and 0 < int((lengths == 1024).sum()) < len(batch)
+        scored = batch.with_tensors(token_scores=torch.zeros(batch["responses"].shape))
+        metrics = data_metrics(scored, max_new_tokens=1024)
+        assert metrics["response_length/clip_ratio"] == pytest.approx(float((lengths == 1024).float().mean()))
+        assert metrics["response_length/max"] == float(lengths.max())
+        train = batch.with_tensors(adv=torch.linspace(-1, 1, len(batch)).unsqueeze(1) * batch["response_mask"])
+        out = eng.update_actor(train, iteration=1, expected_version=0)
+        assert out["actor/grad_norm"] > 0 and out["actor/pg_loss"] == out["actor/pg_loss"]
+    finally:
+        eng.stop()
