@@ -18,6 +18,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     make.add_argument("out_dir", metavar="OUT_DIR", help="a new (or empty) directory")
     make.add_argument("--task", default="arith", choices=sorted(TASKS), help="synthetic task (default arith)")
     make.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
+    make.add_argument("--family", default=None, choices=["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "gpt2"],
+                      help="instead of the char-level Llama: a tiny random model of one of the Hub's families with a "
+                      "byte-level BPE tokenizer trained on the task and the family's chat template (engine/families.py)")
     make.add_argument(
         "--steps",
         type=int,

@@ -23,11 +23,11 @@ def overrides(model: str, root: str, run_id: str) -> list[str]:
 
 def main() -> int:
     out, root, pairs = sys.argv[1], sys.argv[2], [a.split("=", 1) for a in sys.argv[3:]]
+    import time
+
     from flows.commands.train import run_train
     from flows.config import load_config
     from flows.plan import check_inputs
-
-    import time
 
     results = {}
     for family, model in pairs:
