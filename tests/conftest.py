@@ -129,3 +129,24 @@ def cli(stack_home: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: AN
            "RLFLOW_CACHE": str(tmp_path_factory.mktemp("cache")), "PYTHONPATH": str(REPO)}
     env.pop("RAY_AUTH_MODE", None)  # the stack's own mode (token) comes from its state folder
     return Cli(env)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[pytest.TestReport]:
+    report = yield
+    if report.failed:
+        item.stash[_FAILED] = True
+    return report
+
+
+_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.fixture(autouse=True)
+def _stop_engines_of_a_failed_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A failed run keeps its engine (Retry reuses it); after a failed test that ran `rlflow`, stop every
+    engine on the session's stack so that the next tests find free CPUs (one failure, not a cascade)."""
+    yield
+    if request.node.stash.get(_FAILED, False) and "cli" in request.fixturenames:
+        proc = request.getfixturevalue("cli")("engine", "stop", "--all", timeout=120)
+        print(proc.stdout, proc.stderr)

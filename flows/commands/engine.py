@@ -12,8 +12,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls = verbs.add_parser("list", help="runs with live worker groups, their roles and ranks")
     ls.add_argument("--address", help="Ray address (default: RAY_ADDRESS or the local stack)")
     ls.set_defaults(func=_list)
-    stop = verbs.add_parser("stop", help="kill the worker groups of a run")
-    stop.add_argument("run_id")
+    stop = verbs.add_parser("stop", help="kill the worker groups of a run (or of every run: --all)")
+    stop.add_argument("run_id", nargs="?")
+    stop.add_argument("--all", action="store_true", help="every live engine on the cluster")
     stop.add_argument("--address", help="Ray address (default: RAY_ADDRESS or the local stack)")
     stop.set_defaults(func=_stop)
 
@@ -66,9 +67,19 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _stop(args: argparse.Namespace) -> int:
-    from engine.workers.group import check_run_id, stop_engine
+    from engine.errors import EngineError
+    from engine.workers.group import check_run_id, list_engines, stop_engine
 
+    if bool(args.run_id) == args.all:
+        raise EngineError("rlflow engine stop: give a run id or --all (not both)")
     connect(args.address)
+    if args.all:
+        runs = sorted(list_engines())
+        for run_id in runs:
+            print(f"stopped {run_id}: {', '.join(stop_engine(run_id))}")
+        if not runs:
+            print("no live engines")
+        return 0
     roles = stop_engine(check_run_id(args.run_id))
     print(
         f"stopped {args.run_id}: {', '.join(roles)}" if roles else f"no live engine for run {args.run_id!r}"
