@@ -1,6 +1,6 @@
-"""Retry of a failed deployed run, twice: through the API call the UI's Retry button makes
-(`set_flow_run_state(id, AwaitingRetry())`), and by pressing the real button in the real Prefect UI in
-headless Chromium. Each time the flow runs again, every finished stage of the failed iteration comes
+"""Retry of a failed deployed run by pressing the real button in the real Prefect UI in headless
+Chromium (where Chromium is missing: through the API call the button makes,
+`set_flow_run_state(id, AwaitingRetry())`). The flow runs again, every finished stage of the failed iteration comes
 back `Cached` (its buffer untouched), the live engine carries on, and the run completes. After the UI
 retry, the completed run's pages as Chromium renders them: the summary's charts, no pile of per-iteration
 tables on the run's page, and the user's own stage among the iteration's task runs.
@@ -106,7 +106,13 @@ def assert_retried(prefect: Any, server: Server, run: Any, root: Path, rollout: 
 
 
 def test_retry_through_the_api(prefect: Any, server: Server, root: Path) -> None:
+    """Where Chromium is missing: the call the Retry button makes. Where it is there, the button test
+    below makes that same call by pressing the button and asserts all of this and more (one failed run
+    of ~90 s saved)."""
     from prefect.states import AwaitingRetry
+
+    if Path(CHROMIUM).exists():
+        pytest.skip("Chromium is here: test_retry_button_in_the_ui retries through the real button")
 
     run, rollout = failed_run(prefect, server, "retry-api", root)
     result = prefect.set_flow_run_state(run.id, AwaitingRetry(message="retried by the test"))
