@@ -136,6 +136,7 @@ class Engine:
         metrics = self.policy.call("update_actor", batch, mode="dp", iteration=iteration,
                                    expected_version=expected_version)[0]
         metrics.update(self.policy.call("sync_rollout_weights")[0])
+        metrics["perf/peak_rss_gb"] = max(self.policy.call("peak_rss_bytes")) / 2**30
         return metrics
 
     # -- state -------------------------------------------------------------------------------------

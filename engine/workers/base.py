@@ -65,6 +65,12 @@ class RankWorker:
     def get_version(self) -> int:
         return self.version
 
+    def peak_rss_bytes(self) -> int:
+        """This rank's peak resident memory since its process started (a Ray actor owns its process)."""
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
     def check_version(self, expected: int | None) -> None:
         if expected is not None and expected != self.version:
             raise VersionMismatchError(
