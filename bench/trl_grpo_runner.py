@@ -3,7 +3,8 @@
     <trl-venv>/bin/python bench/trl_grpo_runner.py SPEC.json OUT.json
 
 SPEC: model (a save_pretrained folder), train_file (verl-format parquet: prompt messages,
-reward_model.ground_truth), prompts_per_step, n, max_new_tokens, lr, beta, steps, seed, threads.
+reward_model.ground_truth), prompts_per_step, n, max_new_tokens, lr, beta, steps, seed, threads, and
+optionally bf16 and gradient_checkpointing (TRL's own options; both off by default here).
 OUT: per-step wall seconds (from a callback at each optimizer step, so generation, reward, loss and the
 update are all inside), prompt and completion tokens per step, mean reward per step, peak RSS.
 
@@ -69,9 +70,9 @@ def main(spec_path: str, out_path: str) -> None:
         scale_rewards="group",  # GRPO with the group std: rlflow's grpo, norm_by_std=True
         num_iterations=1,
         max_steps=spec["steps"],
-        bf16=False,
+        bf16=spec.get("bf16", False),  # mixed precision: fp32 master weights, bf16 autocast
         fp16=False,
-        gradient_checkpointing=False,
+        gradient_checkpointing=spec.get("gradient_checkpointing", False),
         use_cpu=True,
         logging_steps=1,
         save_strategy="no",

@@ -10,6 +10,19 @@ grad clip 1.0), clip 0.2, token-mean loss, group-std advantages, one optimizer s
 
     W1: hidden 128, MLP 256, 2 layers; 8 prompts x 8 = 64 completions per step; 16 new tokens
     W2: hidden 256, MLP 512, 4 layers; 64 prompts x 8 = 512 completions per step; 32 new tokens
+    W3: a Qwen2-shaped model of 26.8 M parameters (hidden 512, MLP 1408, 9 layers, 8 heads, 4 KV heads)
+        with its byte-level BPE tokenizer and ChatML template (engine/families.py, random weights);
+        8 prompts x 8 = 64 completions per step of up to 256 new tokens; lr 1e-5
+
+    python bench/vs_trl.py --workloads W3 --betas 0 --steps 3 --repeats 1 --settings fp32,fp32+gc,fp32+budget
+
+(bf16 settings exist for machines with bf16 arithmetic; this CPU has none: BENCHMARKS.md.)
+
+--settings (SETTINGS below) are the engine options compared on one workload, each against TRL with its
+equivalent (bf16, gradient checkpointing: TRL's GRPOTrainer has no padding-free or token-budget option,
+so those rows compare against TRL's bf16 + gradient checkpointing). TRL runs once per distinct setting.
+Per-rank peak memory: the largest peak RSS of one rlflow engine rank (`perf/peak_rss_gb`, from the rank
+process itself) and TRL's single process.
 
 TRL 1.16 runs in its own virtual environment (created under --work on first use; never a project
 dependency) through bench/trl_grpo_runner.py. rlflow runs as a user runs it: `rlflow train CONFIG`
@@ -50,8 +63,35 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "W2": {"hidden": 256, "mlp": 512, "layers": 4, "prompts": 64, "n": 8, "max_new_tokens": 32,
            "rlflow": ["rollout.micro_batch_size=256", "actor.grad_sync=optimizer_step",
                       "actor.reshard_after_forward=false"]},
+    # A real tokenizer and 256-token responses: one generate call of 32 rows per rank; the update in
+    # micro-batches of 8 rows (or a token budget, SETTINGS).
+    "W3": {"family": "qwen2", "hidden": 512, "mlp": 1408, "layers": 9, "heads": 8, "kv_heads": 4,
+           "prompts": 8, "n": 8, "max_new_tokens": 256, "lr": 1e-5,
+           "rlflow": ["rollout.micro_batch_size=64", "actor.micro_batch_size=8", "data.max_prompt_length=128"]},
+    # The largest model trained here: Qwen2-0.5B's shape (hidden 896, MLP 4864, 24 layers, 14 heads,
+    # 2 KV heads) with the 512-token BPE vocabulary: 358 M parameters; a smaller step (32 completions
+    # of up to 64 tokens). `--only rlflow --steps 2`.
+    "W3-L": {"family": "qwen2", "hidden": 896, "mlp": 4864, "layers": 24, "heads": 14, "kv_heads": 2,
+             "prompts": 4, "n": 8, "max_new_tokens": 64, "lr": 1e-6,
+             "rlflow": ["rollout.micro_batch_size=64", "actor.micro_batch_size=4", "data.max_prompt_length=128"]},
 }
 LR = 2e-4
+# name -> (rlflow overrides, TRL's equivalent options)
+SETTINGS: dict[str, tuple[list[str], dict[str, bool]]] = {
+    "fp32": ([], {}),
+    "bf16": (["actor.mixed_precision=bf16"], {"bf16": True}),
+    "bf16+gc": (["actor.mixed_precision=bf16", "actor.gradient_checkpointing=true"],
+                {"bf16": True, "gradient_checkpointing": True}),
+    "fp32+gc": (["actor.gradient_checkpointing=true"], {"gradient_checkpointing": True}),
+    "fp32+copy": (["rollout.weights=copy"], {}),  # the rollout's own unsharded copy of the actor
+    "fp32+budget": (["actor.max_tokens_per_micro_batch=4096"], {}),
+    "fp32+budget+packed": (["actor.max_tokens_per_micro_batch=4096", "actor.packed_sequences=true"], {}),
+    "bf16+gc+budget": (["actor.mixed_precision=bf16", "actor.gradient_checkpointing=true",
+                        "actor.max_tokens_per_micro_batch=4096"], {"bf16": True, "gradient_checkpointing": True}),
+    "bf16+gc+budget+packed": (["actor.mixed_precision=bf16", "actor.gradient_checkpointing=true",
+                               "actor.max_tokens_per_micro_batch=4096", "actor.packed_sequences=true"],
+                              {"bf16": True, "gradient_checkpointing": True}),
+}
 TRL_VERSION = "1.16.0"
 THREADS = 2
 WARMUP = 2  # steps left out of the per-step medians (reported as warmup_s)
@@ -79,7 +119,15 @@ def build_inputs(work: Path, name: str) -> tuple[Path, Path]:
 
     spec = WORKLOADS[name]
     model = work / f"model-{name}"
-    if not (model / "rlflow_tiny.json").exists():
+    if "family" in spec and not (model / "rlflow_family.json").exists():
+        from engine.families import FamilyShape, build_family
+
+        shutil.rmtree(model, ignore_errors=True)
+        build_family(spec["family"], model, task="sort", seed=0, shape=FamilyShape(
+            hidden_size=spec["hidden"], intermediate_size=spec["mlp"], num_hidden_layers=spec["layers"],
+            num_attention_heads=spec["heads"], num_key_value_heads=spec["kv_heads"]))
+        print(f"[{name}] model: {json.loads((model / 'rlflow_family.json').read_text())}")
+    elif "family" not in spec and not (model / "rlflow_tiny.json").exists():
         shutil.rmtree(model, ignore_errors=True)
         shape = TinyShape(hidden_size=spec["hidden"], intermediate_size=spec["mlp"], num_hidden_layers=spec["layers"])
         report = build_tiny(model, task="sort", seed=0, shape=shape)
@@ -149,15 +197,15 @@ def _session(sid: int) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------- runs
-def run_trl(python: Path, work: Path, name: str, model: Path, data: Path, beta: float, steps: int, tag: str
-            ) -> dict[str, Any]:  # fmt: skip
+def run_trl(python: Path, work: Path, name: str, model: Path, data: Path, beta: float, steps: int, tag: str,
+            options: dict[str, bool]) -> dict[str, Any]:  # fmt: skip
     spec = WORKLOADS[name]
     out = work / "out" / f"trl-{name}-b{beta}-{tag}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     job = {"model": str(model), "train_file": str(data), "prompts_per_step": spec["prompts"], "n": spec["n"],
-           "max_new_tokens": spec["max_new_tokens"], "lr": LR, "beta": beta, "steps": steps, "seed": 0,
-           "threads": THREADS}  # fmt: skip
+           "max_new_tokens": spec["max_new_tokens"], "lr": spec.get("lr", LR), "beta": beta, "steps": steps,
+           "seed": 0, "threads": THREADS, **options}  # fmt: skip
     (out / "spec.json").write_text(json.dumps(job))
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}  # fmt: skip
@@ -168,8 +216,10 @@ def run_trl(python: Path, work: Path, name: str, model: Path, data: Path, beta: 
     wall = time.perf_counter() - started
     result = json.loads((out / "result.json").read_text())
     rows = result["steps"]
-    return _summary([r["step_s"] for r in rows], [r["completion_tokens"] for r in rows],
-                    [r["total_tokens"] for r in rows], [r["reward"] for r in rows], result["peak_rss_gb"], wall)
+    res = _summary([r["step_s"] for r in rows], [r["completion_tokens"] for r in rows],
+                   [r["total_tokens"] for r in rows], [r["reward"] for r in rows], result["peak_rss_gb"], wall)
+    res["rank_peak_gb"] = result["peak_rss_gb"]  # one process
+    return res
 
 
 def run_rlflow(work: Path, name: str, model: Path, data: Path, beta: float, steps: int, tag: str,
@@ -182,7 +232,7 @@ def run_rlflow(work: Path, name: str, model: Path, data: Path, beta: float, step
     kl = ["actor.use_kl_loss=true", f"actor.kl_loss_coef={beta}", "actor.kl_loss_type=k3"] if beta else []
     overrides = [
         f"model.path={model}", f"data.train_files=[{data}]", f"data.train_batch_size={spec['prompts']}",
-        f"rollout.n={spec['n']}", f"rollout.max_new_tokens={spec['max_new_tokens']}", f"actor.lr={LR}",
+        f"rollout.n={spec['n']}", f"rollout.max_new_tokens={spec['max_new_tokens']}", f"actor.lr={spec.get('lr', LR)}",
         f"actor.mini_batch_size={completions}", "trainer.val_every=0", f"trainer.total_iterations={steps}",
         f"trainer.save_every={steps}", "trainer.export_at_end=false", f"trainer.world_size={world_size}",
         f"trainer.run_id=bench-{name}-{tag}", f"storage.root={out / 'runs'}", *spec["rlflow"], *kl, *extra,
@@ -207,6 +257,7 @@ def run_rlflow(work: Path, name: str, model: Path, data: Path, beta: float, step
                       [m["response_length/mean"] * completions for m in rows],
                       [m["perf/total_num_tokens"] for m in rows], [m["critic/score/mean"] for m in rows],
                       mem.peak / 2**30, wall)  # fmt: skip
+    result["rank_peak_gb"] = max(m.get("perf/peak_rss_gb", 0.0) for m in rows)
     steady = rows[WARMUP:] or rows
     for key in sorted({k for m in steady for k in m if k.startswith("timing_s/")} | {"perf/orchestration_s"}):
         result[key] = statistics.median(m.get(key, 0.0) for m in steady)
@@ -240,10 +291,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--world-size", type=int, default=2, help="rlflow engine ranks (1 thread each)")
     parser.add_argument("--only", choices=("both", "rlflow", "trl"), default="both")
+    parser.add_argument("--settings", default="fp32", help=f"comma-separated, of: {', '.join(SETTINGS)}")
     parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "rlflow-bench")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "vs_trl.json")
     parser.add_argument("extra", nargs="*", help="more rlflow overrides (key=value)")
     args = parser.parse_args()
+    settings = args.settings.split(",")
+    if unknown := [s for s in settings if s not in SETTINGS]:
+        raise SystemExit(f"--settings: unknown {unknown}; allowed: {', '.join(SETTINGS)}")
     work = args.work.expanduser().resolve()
     work.mkdir(parents=True, exist_ok=True)
     python = trl_python(work) if args.only != "rlflow" else None
@@ -259,25 +314,33 @@ def main() -> None:
         for name in args.workloads.split(","):
             model, data = build_inputs(work, name)
             for beta in (float(b) for b in args.betas.split(",")):
-                runs: dict[str, list[dict[str, Any]]] = {"rlflow": [], "trl": []}
-                for rep in range(args.repeats):
-                    order = ["trl", "rlflow"] if rep % 2 == 0 else ["rlflow", "trl"]
-                    for who in order:
-                        if args.only not in ("both", who):
-                            continue
-                        tag = f"r{rep}"
-                        if who == "trl":
-                            assert python is not None
-                            res = run_trl(python, work, name, model, data, beta, args.steps, tag)
-                        else:
-                            res = run_rlflow(work, name, model, data, beta, args.steps, tag, args.world_size,
-                                             home, args.extra)  # fmt: skip
-                        runs[who].append(res)
-                        print(f"[{name} beta={beta} {who} {tag}] {res['s_per_step']:.3f} s/step, "
-                              f"{res['gen_tok_s']:.0f} gen tok/s, peak {res['peak_gb']:.2f} GB, "
-                              f"reward {res['reward_first']:.3f} -> {res['reward_last3']:.3f}", flush=True)
-                results.append({"workload": name, "beta": beta, "runs": runs, "median": _medians(runs)})
-                _write(args.out, results, args)
+                trl_runs: dict[str, list[dict[str, Any]]] = {}  # TRL's options (as JSON) -> its runs
+                for setting in settings:
+                    overrides, options = SETTINGS[setting]
+                    trl_key = json.dumps(options, sort_keys=True)
+                    runs: dict[str, list[dict[str, Any]]] = {"rlflow": [], "trl": trl_runs.get(trl_key, [])}
+                    for rep in range(args.repeats):
+                        order = ["trl", "rlflow"] if rep % 2 == 0 else ["rlflow", "trl"]
+                        for who in order:
+                            if args.only not in ("both", who) or (who == "trl" and trl_key in trl_runs):
+                                continue
+                            tag = f"{setting.replace('+', '-')}-r{rep}"
+                            if who == "trl":
+                                assert python is not None
+                                res = run_trl(python, work, name, model, data, beta, args.steps, tag, options)
+                            else:
+                                res = run_rlflow(work, name, model, data, beta, args.steps, tag, args.world_size,
+                                                 home, overrides + args.extra)  # fmt: skip
+                            runs[who].append(res)
+                            print(f"[{name} beta={beta} {setting} {who} {tag}] {res['s_per_step']:.3f} s/step, "
+                                  f"{res['gen_tok_s']:.0f} gen tok/s, peak {res['peak_gb']:.2f} GB "
+                                  f"(rank {res['rank_peak_gb']:.2f}), "
+                                  f"reward {res['reward_first']:.3f} -> {res['reward_last3']:.3f}", flush=True)
+                    if runs["trl"]:
+                        trl_runs[trl_key] = runs["trl"]
+                    results.append({"workload": name, "beta": beta, "setting": setting, "trl_options": options,
+                                    "runs": runs, "median": _medians(runs)})  # fmt: skip
+                    _write(args.out, results, args)
     finally:
         stack.down()
     _print_table(results)
@@ -289,7 +352,8 @@ def _medians(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         a, b = med["rlflow"], med["trl"]
         med["ratio"] = {"speed (trl s/step / rlflow s/step)": b["s_per_step"] / a["s_per_step"],
                         "gen_tok_s": a["gen_tok_s"] / b["gen_tok_s"], "total_tok_s": a["total_tok_s"] / b["total_tok_s"],
-                        "peak_gb": a["peak_gb"] / b["peak_gb"]}  # fmt: skip
+                        "peak_gb": a["peak_gb"] / b["peak_gb"],
+                        "rank_peak_gb": a["rank_peak_gb"] / b["rank_peak_gb"]}  # fmt: skip
     return med
 
 
@@ -301,16 +365,20 @@ def _write(path: Path, results: list[dict[str, Any]], args: argparse.Namespace) 
 
 
 def _print_table(results: list[dict[str, Any]]) -> None:
-    print("| workload | beta | framework | s/step | gen tok/s | total tok/s | peak GB | reward first -> last 3 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| workload | beta | setting | framework | s/step | gen tok/s | total tok/s | peak GB (all) | peak GB (rank) "
+          "| reward first -> last 3 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for res in results:
+        setting = res.get("setting", "fp32")
         for who in ("trl", "rlflow"):
             m = res["median"].get(who)
             if m:
-                print(f"| {res['workload']} | {res['beta']} | {who} | {m['s_per_step']:.3f} | {m['gen_tok_s']:.0f} | "
-                      f"{m['total_tok_s']:.0f} | {m['peak_gb']:.2f} | {m['reward_first']:.3f} -> {m['reward_last3']:.3f} |")
+                what = f"trl {json.dumps(res['trl_options'])}" if who == "trl" else who
+                print(f"| {res['workload']} | {res['beta']} | {setting} | {what} | {m['s_per_step']:.3f} | "
+                      f"{m['gen_tok_s']:.0f} | {m['total_tok_s']:.0f} | {m['peak_gb']:.2f} | {m['rank_peak_gb']:.2f} | "
+                      f"{m['reward_first']:.3f} -> {m['reward_last3']:.3f} |")
         if "ratio" in res["median"]:
-            print(f"| {res['workload']} | {res['beta']} | ratio | " + " | ".join(
+            print(f"| {res['workload']} | {res['beta']} | {setting} | ratio | " + " | ".join(
                 f"{k}: {v:.2f}x" for k, v in res["median"]["ratio"].items()) + " |")
 
 
