@@ -30,6 +30,7 @@ from typing import Any
 import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
@@ -80,6 +81,16 @@ def _writer(url: str, storage_options: dict[str, Any]) -> Any:
     return dcp.FileSystemWriter(url.removeprefix("file://"))
 
 
+def _corruption_of_another_rank(err: BaseException) -> CheckpointCorruptError | None:
+    """The CheckpointCorruptError among the ranks' failures that DCP's CheckpointException carries."""
+    if not isinstance(err, CheckpointException):
+        return None
+    for rank, (exc, _) in sorted(err.failures.items()):
+        if isinstance(exc, CheckpointCorruptError):
+            return CheckpointCorruptError(f"{exc} (read by rank {rank})")
+    return None
+
+
 def _remote(url: str) -> bool:
     return "://" in url and not url.startswith("file://")
 
@@ -100,6 +111,11 @@ def load(url: str, state: dict[str, Any], storage_options: dict[str, Any], rank:
     except BaseException as err:  # DCP's CheckpointException is a BaseException, and it may keep only text
         if verifying.failures:
             raise CheckpointCorruptError(str(verifying.failures[0])) from None
+        # A file only another rank reads was corrupt: DCP gathers every rank's failure and raises them on
+        # all ranks, so this rank reports the same corruption (the engine takes whichever rank answers
+        # first: each must say why, or a fallback to an older checkpoint would depend on timing).
+        if (corrupt := _corruption_of_another_rank(err)) is not None:
+            raise corrupt from None
         if not isinstance(err, Exception):
             raise RuntimeError(f"loading the checkpoint at {url} failed: {err}") from None
         raise

@@ -55,7 +55,7 @@ def reference() -> str:
     return "\n".join(lines)
 
 
-GENERAL = """Every model the engine loads (actor, its rollout copy, the reference, the critic) runs with every
+GENERAL = """Every model the engine loads (actor, the rollout copy where rollout.weights=copy, the reference, the critic) runs with every
 dropout probability set to 0: the config's `*dropout*` / `*pdrop` rates and every dropout module, the
 value head's `classifier_dropout` included (transformers defaults it to 0.1). RL needs the update's
 log-probs to be the ones the ratio was computed against, and the critic's values to be repeatable, as verl

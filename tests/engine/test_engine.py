@@ -225,6 +225,32 @@ def test_save_stop_load_gives_a_bit_identical_next_update(backend: str, ray_addr
         second.stop()
 
 
+def test_a_shard_only_one_rank_reads_is_reported_corrupt_by_every_rank(engine: Engine, tmp_path: Path) -> None:
+    """Rank 0 alone reads its shard file; when that file is corrupt, rank 1 must say so too: the engine
+    takes whichever rank answers first, and only a CheckpointCorruptError makes the restore fall back
+    to an older checkpoint (before, rank 1 raised a plain error: a fallback that depended on timing)."""
+    import hashlib
+
+    import ray
+
+    from engine.checkpoint_io import CheckpointCorruptError
+
+    url = tmp_path / "ckpt"
+    records = engine.save(str(url))
+    expected = {r["path"][len("policy/"):]: (r["size"], r["sha256"]) for r in records}
+    shard = url / "policy" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert hashlib.sha256(bytes(data)).hexdigest() != expected["__0_0.distcp"][1]
+    refs = [actor.load.remote(str(url / "policy"), {}, expected) for actor in engine.policy.actors]
+    for rank, ref in enumerate(refs):
+        with pytest.raises(ray.exceptions.RayTaskError) as caught:
+            ray.get(ref, timeout=120)
+        assert isinstance(caught.value.cause, CheckpointCorruptError), (rank, caught.value.cause)
+        assert "__0_0.distcp is corrupt" in str(caught.value.cause), (rank, caught.value.cause)
+
+
 def test_export_loads_with_plain_transformers(engine: Engine, tmp_path: Path) -> None:
     out = tmp_path / "export"
     engine.export_hf(str(out))
