@@ -151,8 +151,8 @@ def _reader(url: str, storage_options: dict[str, Any]) -> Any:
 
 
 class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
-    """DCP's byte items (non-tensor state: optimizer param groups, counters) with weights_only=True;
-    DefaultLoadPlanner.load_bytes unpickles them with weights_only=False."""
+    """DCP's byte items (non-tensor state: optimizer param groups, counters) read with weights_only=True,
+    where DCP's own planner would run any pickle the storage holds."""
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         loaded = torch.load(value, weights_only=True)

@@ -33,6 +33,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from engine.batch import Batch
 from engine.config import ModelConfig
 from engine.errors import ConfigError, RLFlowError
 
@@ -342,6 +343,26 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt]
 def positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids of left-padded rows: each real token's index among its row's real tokens (pads 0)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def packed_inputs(batch: Batch, keep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows' real tokens end to end, as one sequence: (input_ids [1, N], position_ids [1, N], index
+    [B, keep] of the position whose logits predict each response token, clamped into the row).
+
+    Each row contributes its prompt's real tokens and its first `keep` response columns that are real;
+    position ids restart at 0 for every row, which is how transformers (masking_utils) recognises packed
+    sequences and keeps attention within each row when no attention mask is given."""
+    input_ids, t = batch.tensors["input_ids"], batch.tensors["responses"].shape[1]
+    mask = batch.tensors["attention_mask"][:, : input_ids.shape[1] - t + keep].bool()  # [B, P+keep]
+    ids = input_ids[:, : mask.shape[1]][mask]  # [N]
+    lengths = mask.sum(-1)  # [B] real tokens of each row
+    starts = lengths.cumsum(0) - lengths  # [B] where each row begins in the sequence
+    pos = torch.arange(int(lengths.sum())) - starts.repeat_interleave(lengths)  # restarts at 0 per row
+    prompt_len = mask.shape[1] - keep - (~mask[:, : mask.shape[1] - keep]).sum(-1)  # [B] real prompt tokens
+    # response token j is predicted by the row's position prompt_len - 1 + j
+    offset = (prompt_len - 1).unsqueeze(1) + torch.arange(keep).unsqueeze(0)  # [B, keep]
+    index = starts.unsqueeze(1) + offset.clamp(max=(lengths - 1).unsqueeze(1))
+    return ids.unsqueeze(0), pos.unsqueeze(0), index
 
 
 def cache_argument(model: torch.nn.Module) -> str:

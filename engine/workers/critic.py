@@ -11,11 +11,10 @@ from torch import nn
 from engine import algos
 from engine.batch import Batch
 from engine.config import CriticConfig
-from engine.models import dropout_left, load_value_model, positions
+from engine.models import dropout_left, load_value_model, packed_inputs, positions
 from engine.seeds import derive_seed
 from engine.workers import fsdp
 from engine.workers.base import RankWorker
-from engine.workers.policy import packed_inputs
 
 
 class CriticSpec(BaseModel):
@@ -119,7 +118,7 @@ class CriticWorker(RankWorker):
 
 def response_values(model: nn.Module, batch: Batch, packed: bool = False) -> torch.Tensor:
     """[B, P+T] inputs -> values [B, T]: the output at position j values the state that emits token j+1.
-    `packed`: the rows run as one sequence without padding (policy.packed_inputs)."""
+    `packed`: the rows run as one sequence without padding (models.packed_inputs)."""
     if packed:
         t = batch["responses"].shape[1]
         ids, pos, index = packed_inputs(batch, t)

@@ -257,15 +257,14 @@ def plan_micro_batches(batch: Batch, *, max_rows: int, max_tokens: int | None = 
     else:
         tokens = row_tokens(batch)
         current: list[int] = []
-        longest = 0
+        longest = total = 0
         for row in order:
-            cost_if_added = (sum(tokens[r] for r in current) + tokens[row] if packed
-                             else (len(current) + 1) * max(longest, tokens[row]))
+            cost_if_added = total + tokens[row] if packed else (len(current) + 1) * max(longest, tokens[row])
             if current and (len(current) == max_rows or cost_if_added > max_tokens):
                 plans.append(current)
-                current, longest = [], 0
+                current, longest, total = [], 0, 0
             current.append(row)
-            longest = max(longest, tokens[row])
+            longest, total = max(longest, tokens[row]), total + tokens[row]
         if current:
             plans.append(current)
     count = int(global_max(len(plans)))

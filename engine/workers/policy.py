@@ -30,7 +30,15 @@ from transformers import DynamicCache
 from engine import algos
 from engine.batch import Batch
 from engine.config import ActorConfig, RefConfig, RolloutConfig
-from engine.models import cache_argument, dropout_left, load_model, load_tokenizer, positions, stop_token_ids
+from engine.models import (
+    cache_argument,
+    dropout_left,
+    load_model,
+    load_tokenizer,
+    packed_inputs,
+    positions,
+    stop_token_ids,
+)
 from engine.rollout import SamplingParams, make_rollout
 from engine.seeds import derive_seed
 from engine.workers import fsdp
@@ -354,26 +362,6 @@ def response_logits(model: nn.Module, batch: Batch, temperature: float, layout: 
         out = logits[:, -keep - 1 : -1].float()  # position j predicts token j+1
     out = out / temperature
     return F.pad(out, (0, 0, 0, t - keep)) if keep < t else out
-
-
-def packed_inputs(batch: Batch, keep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rows' real tokens end to end, as one sequence: (input_ids [1, N], position_ids [1, N], index
-    [B, keep] of the position whose logits predict each response token, clamped into the row).
-
-    Each row contributes its prompt's real tokens and its first `keep` response columns that are real;
-    position ids restart at 0 for every row, which is how transformers (masking_utils) recognises packed
-    sequences and keeps attention within each row when no attention mask is given."""
-    t = batch["responses"].shape[1]
-    mask = batch["attention_mask"][:, : batch["input_ids"].shape[1] - t + keep].bool()  # [B, P+keep]
-    ids = batch["input_ids"][:, : mask.shape[1]][mask]  # [N]
-    lengths = mask.sum(-1)  # [B] real tokens of each row
-    starts = lengths.cumsum(0) - lengths  # [B] where each row begins in the sequence
-    pos = torch.arange(int(lengths.sum())) - starts.repeat_interleave(lengths)  # restarts at 0 per row
-    prompt_len = mask.shape[1] - keep - (~mask[:, : mask.shape[1] - keep]).sum(-1)  # [B] real prompt tokens
-    # response token j is predicted by the row's position prompt_len - 1 + j
-    offset = (prompt_len - 1).unsqueeze(1) + torch.arange(keep).unsqueeze(0)  # [B, keep]
-    index = starts.unsqueeze(1) + offset.clamp(max=(lengths - 1).unsqueeze(1))
-    return ids.unsqueeze(0), pos.unsqueeze(0), index
 
 
 def _packed_logits(model: nn.Module, batch: Batch, keep: int) -> torch.Tensor:
