@@ -72,6 +72,8 @@ def test_generate_logprob_update_and_weight_sync(engine: Engine, tiny_model_dir:
     for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
                 "actor/lr", "timing_s/weight_sync"):
         assert key in metrics and metrics[key] == metrics[key], key  # present and not NaN
+    # The largest rank's peak RSS in GiB (a peak only grows: reading it again gives at least as much).
+    assert 0.1 < metrics["perf/peak_rss_gb"] <= max(engine.policy.call("peak_rss_bytes")) / 2**30
     # After the sync the rollout copy generates from the new weights: log-probs now differ from ref.
     new = engine.compute_log_prob(batch, expected_version=1)
     assert not torch.allclose(new["old_logp"], ref["ref_logp"])
