@@ -103,6 +103,39 @@ class RolloutConfig(Section):
         return v
 
 
+class LoraConfig(Section):
+    """LoRA adapters (peft) on a frozen base model: only the adapters (and `modules_to_save`) train."""
+
+    rank: int = Field(0, ge=0, description="the adapters' rank r; 0: no LoRA (full fine-tuning)")
+    alpha: float = Field(16.0, gt=0, description="scaling: the adapter's update is multiplied by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input; 0 for RL (a positive "
+                           "rate makes the update's log-probs differ from the old ones it is compared with)")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="the layers that get adapters: all-linear (every linear layer of the decoder, "
+        "not the output head; any family) or a list of module names such as [q_proj, v_proj]")
+    modules_to_save: list[str] = Field(
+        default_factory=list, description="modules trained in full next to the adapters (their own copy), such as "
+        "[lm_head] or [embed_tokens]; the critic's value head is always trained")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _split_modules(cls, value: object) -> object:
+        if isinstance(value, str) and value != "all-linear":  # `actor.lora.target_modules=q_proj,v_proj`
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("modules_to_save", mode="before")
+    @classmethod
+    def _split_saved(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+
 class OptimConfig(Section):
     """Optimizer, schedule and batching of an FSDP2-trained model (the actor's and the critic's)."""
 
@@ -137,6 +170,8 @@ class OptimConfig(Section):
     cpu_offload: bool = Field(
         False, description="FSDP2's CPUOffloadPolicy: sharded parameters, gradients and optimizer state in host "
         "memory (for GPUs; a CPU run holds them there already, so on CPU it is nothing to do)")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters instead of full fine-tuning "
+                             "(lora.rank > 0)")
 
 
 class ActorConfig(OptimConfig):

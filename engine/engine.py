@@ -165,9 +165,11 @@ class Engine:
     def _groups(self) -> list[tuple[str, WorkerGroup]]:
         return [("policy", self.policy)] + ([("critic", self.critic)] if self.critic is not None else [])
 
-    def export_hf(self, url: str, storage_options: dict[str, Any] | None = None) -> str:
-        """Hugging Face format (save_pretrained + tokenizer) of the current policy at `url`."""
-        self.policy.call("export_hf", url, storage_options or {})
+    def export_hf(self, url: str, storage_options: dict[str, Any] | None = None, merged_url: str | None = None
+                  ) -> str:
+        """Hugging Face format (save_pretrained + tokenizer) of the current policy at `url`; with LoRA,
+        peft's adapter folder there and the merged weights at `merged_url` when given."""
+        self.policy.call("export_hf", url, storage_options or {}, merged_url)
         return url
 
     def weights_digest(self) -> str:

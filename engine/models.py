@@ -129,6 +129,43 @@ def _in_hub_cache(repo_id: str, filename: str) -> bool:
 # loading
 
 
+# What makes a model what it is: its weights and its config (not the tokenizer or the README).
+_IDENTITY_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.index.json", "config.json")
+
+
+def model_identity(path: str) -> dict[str, Any]:
+    """{"path", "sha256"}: the content hash of a model folder's weight files and config.json (names and
+    bytes, in name order), which a LoRA run's adapters (and any run's reference model) depend on. A hub
+    id is hashed in the local snapshot the workers load. Hashes are cached by the files' sizes and mtimes,
+    so a resume of a large model does not read it again."""
+    import hashlib
+    import json
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(path, allow_patterns=list(_IDENTITY_FILES), local_files_only=hub_offline()))
+    files = sorted({f for pattern in _IDENTITY_FILES for f in folder.glob(pattern) if f.is_file()})
+    stamp = json.dumps([[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files])
+    cache = cache_dir() / "model-hashes"
+    key = hashlib.sha256(f"{folder.resolve()}\n{stamp}".encode()).hexdigest()
+    cached = cache / key
+    if cached.is_file():
+        return {"path": path, "sha256": cached.read_text().strip()}
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode() + b"\0")
+        with open(f, "rb") as stream:
+            while chunk := stream.read(8 * 2**20):
+                digest.update(chunk)
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = cache / f".{key}.{os.getpid()}"
+    tmp.write_text(digest.hexdigest())
+    os.replace(tmp, cached)
+    return {"path": path, "sha256": digest.hexdigest()}
+
+
 def torch_dtype(name: str) -> torch.dtype:
     if name not in _DTYPES:
         raise ConfigError(f"model.dtype {name!r}: allowed: {', '.join(_DTYPES)}")

@@ -34,7 +34,7 @@ class RolloutOutput:
 
 
 class RolloutBackend(Protocol):
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None: ...
+    def load_weights(self, state_dict: dict[str, torch.Tensor], partial: bool = False) -> None: ...
 
     def generate(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams, seed: int
@@ -61,9 +61,12 @@ class HFRollout:
         self.stop_ids = sorted(stop_ids)
         self._cache_arg = cache_argument(model)
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        # strict: a renamed or missing weight must fail here, not generate from stale values.
-        self.model.load_state_dict(state_dict, strict=True)
+    def load_weights(self, state_dict: dict[str, torch.Tensor], partial: bool = False) -> None:
+        """The new weights: all of them (strict: a renamed or missing weight must fail here, not generate
+        from stale values), or with `partial` a part (LoRA: the adapters), each name known to the model."""
+        result = self.model.load_state_dict(state_dict, strict=not partial)
+        if result.unexpected_keys:
+            raise RuntimeError(f"the rollout model has no {result.unexpected_keys[:3]}")
 
     @torch.no_grad()
     def generate(

@@ -48,6 +48,8 @@ class TrainerConfig(Section):
     device: str = Field("cpu", pattern=r"^(cpu|cuda|auto)$")
     seed: int = Field(0, ge=0)
     export_at_end: bool = True
+    export_merged: bool = Field(False, description="LoRA: the export also writes the base model with the adapters "
+                                "merged in (plain transformers weights) under export/step_N_merged")
     keep_engine: bool = Field(False, description="leave the engine actors running after the run")
     max_engine_restarts: int = Field(2, ge=0, description="times a run restarts a failed engine and goes on")
     stage_timeout_s: float = Field(1800.0, gt=0, description="a stage running longer fails")
@@ -130,6 +132,11 @@ class RLConfig(BaseModel):
                 self.rollout.n,
                 f"algorithm.adv_estimator={spec.name} compares responses within a group: needs rollout.n >= 2",
             )
+        if self.trainer.export_merged and not self.actor.lora.enabled:
+            raise _cross("trainer.export_merged", True, "merges LoRA adapters: it needs actor.lora.rank > 0 (a full "
+                         "fine-tuning export is the full weights already)")
+        if self.critic.lora.enabled and not self.critic.enable:
+            raise _cross("critic.lora.rank", self.critic.lora.rank, "needs critic.enable=true")
         if spec.needs_values and not self.critic.enable:
             raise _cross(
                 "algorithm.adv_estimator",
@@ -228,15 +235,16 @@ def _parse_override(item: str) -> tuple[str, Any]:
 
 def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     parts = key.split(".")
-    if len(parts) != 2 or not all(parts):
-        raise ConfigError(f"override key {key!r} must be section.field (for example actor.lr); sections: "
-                          + ", ".join(RLConfig.model_fields))
-    section, field = parts
-    _known_key(section, field)
-    node = raw.setdefault(section, {})
-    if not isinstance(node, dict):
-        raise ConfigError(f"config section {section!r} must be a mapping, got {node!r}")
-    node[field] = value
+    if len(parts) < 2 or not all(parts):
+        raise ConfigError(f"override key {key!r} must be section.field (for example actor.lr, actor.lora.rank); "
+                          "sections: " + ", ".join(RLConfig.model_fields))
+    _known_key(parts[0], parts[1:])
+    node = raw
+    for depth, part in enumerate(parts[:-1]):
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"config section {'.'.join(parts[:depth + 1])!r} must be a mapping, got {node!r}")
+    node[parts[-1]] = value
 
 
 def _check_keys(raw: dict[str, Any]) -> None:
@@ -244,20 +252,31 @@ def _check_keys(raw: dict[str, Any]) -> None:
         if section not in RLConfig.model_fields:
             _known_key(section, None)
         if isinstance(body, dict):
-            for field in body:
-                _known_key(section, field)
+            _check_nested(section, [], body)
 
 
-def _known_key(section: str, field: str | None) -> None:
+def _check_nested(section: str, path: list[str], body: dict[str, Any]) -> None:
+    for field, value in body.items():
+        model = _known_key(section, [*path, field])
+        if isinstance(value, dict) and model is not None:
+            _check_nested(section, [*path, field], value)
+
+
+def _known_key(section: str, fields: list[str] | None) -> type[BaseModel] | None:
+    """Check `section.f1.f2...` names config fields; returns the model of the last one when it is a
+    sub-section (actor.lora), else None."""
     sections = RLConfig.model_fields
     if section not in sections:
         raise ConfigError(f"{section} is not a config section; allowed: {', '.join(sections)}")
-    if field is None:
-        return
-    model = sections[section].annotation
-    fields = model.model_fields  # type: ignore[union-attr]
-    if field not in fields:
-        raise ConfigError(f"{section}.{field} is not a known key; {section} has: {', '.join(fields)}")
+    model: Any = sections[section].annotation
+    where = section
+    for field in fields or []:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            raise ConfigError(f"{where} is a value, not a section: {where}.{field} is not a known key")
+        if field not in model.model_fields:
+            raise ConfigError(f"{where}.{field} is not a known key; {where} has: {', '.join(model.model_fields)}")
+        model, where = model.model_fields[field].annotation, f"{where}.{field}"
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
 
 
 def _config_error(err: ValidationError, raw: dict[str, Any]) -> ConfigError:
@@ -266,11 +285,25 @@ def _config_error(err: ValidationError, raw: dict[str, Any]) -> ConfigError:
     cross = ctx.get("error")
     if isinstance(cross, _CrossSectionError):
         return ConfigError(f"{cross.key}={cross.value!r} is not allowed: {cross.allowed}")
-    loc = [str(p) for p in first["loc"]]
-    key = ".".join(loc[:2]) if loc else "config"
-    value = _lookup(raw, loc[:2])
+    loc = _field_path(first["loc"])
+    key = ".".join(loc) if loc else "config"
+    value = _lookup(raw, loc)
     message = first["msg"].removeprefix("Value error, ")
     return ConfigError(f"{key}={value!r} is not allowed: {message}")
+
+
+def _field_path(loc: tuple[Any, ...]) -> list[str]:
+    """The config key of a validation error's location: its field names (actor.lora.target_modules),
+    without a list index or the union member pydantic appends (`list[str]`, `literal['all-linear']`)."""
+    path: list[str] = []
+    model: Any = RLConfig
+    for part in loc:
+        fields = getattr(model, "model_fields", {}) if isinstance(model, type) else {}
+        if not isinstance(part, str) or part not in fields:
+            break
+        path.append(part)
+        model = fields[part].annotation
+    return path
 
 
 def _lookup(raw: dict[str, Any], loc: list[str]) -> Any:

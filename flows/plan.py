@@ -24,6 +24,7 @@ from engine.errors import ConfigError, RewardError
 from engine.models import (
     cache_dir,
     load_tokenizer,
+    model_identity,
     prompt_lengths,
     resolve_model_path,
     resolve_tokenizer_path,
@@ -70,6 +71,7 @@ class CheckedInputs:
     train: PromptDataset
     val: PromptDataset | None
     engine: EngineSpec
+    base_model: dict[str, Any]  # engine.models.model_identity of the policy's model
 
 
 def new_run_id(cfg: RLConfig) -> str:
@@ -137,9 +139,48 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
         raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} is larger than the training set "
                           f"({len(train)} prompts after filtering): lower it or add data")
     engine = engine_spec(cfg, run_id, model_path, tokenizer_path)
+    check_lora(cfg, model_path)
+    identity = model_identity(model_path)
+    if resume:
+        check_same_base(runs, run_id, identity)
     stages_for(cfg)  # refuses a stage that reads a column nobody writes
     check_reward(train, cfg.reward)
-    return CheckedInputs(store, runs, model_path, tokenizer_path, train, val, engine)
+    return CheckedInputs(store, runs, model_path, tokenizer_path, train, val, engine, identity)
+
+
+def check_same_base(runs: RunStore, run_id: str, identity: dict[str, Any]) -> None:
+    """A resumed run loads its base model again (the frozen weights under LoRA adapters, the reference
+    model): it must be the same bytes as when the run began (run.json's base_model)."""
+    recorded = runs.read_run_info().get("base_model")
+    if recorded and recorded.get("sha256") != identity["sha256"]:
+        raise ConfigError(
+            f"--resume {run_id}: the base model at {identity['path']} is not the one the run began with "
+            f"(sha256 {identity['sha256'][:12]}..., run.json records {recorded['sha256'][:12]}... of "
+            f"{recorded['path']}); a run keeps its base model: put those weights back, or start a new run")
+
+
+def check_lora(cfg: RLConfig, model_path: str) -> None:
+    """LoRA's target and saved modules exist in the model: tried on an empty (meta) copy of it, before
+    anything starts."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    from engine import lora
+    from engine.models import without_dropout
+
+    for role, section, auto, task in (("actor", cfg.actor, AutoModelForCausalLM, "CAUSAL_LM"),
+                                      ("critic", cfg.critic, AutoModelForTokenClassification, "TOKEN_CLS")):
+        if not section.lora.enabled:
+            continue
+        path = (cfg.critic.model_path or model_path) if role == "critic" else model_path
+        kwargs = {"num_labels": 1} if role == "critic" else {}
+        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code, **kwargs)
+        with torch.device("meta"):
+            empty = auto.from_config(without_dropout(config), trust_remote_code=cfg.model.trust_remote_code)
+        try:
+            lora.apply_lora(empty, section.lora, task=task, what=f"{role}.lora.target_modules")
+        except (TypeError, KeyError, AttributeError) as err:  # peft's answer to bad modules_to_save
+            raise ConfigError(f"{role}.lora.modules_to_save={section.lora.modules_to_save}: {err}") from err
 
 
 def check_reward(train: PromptDataset, reward: RewardConfig, n: int = REWARD_PREFLIGHT_ROWS) -> None:
@@ -186,7 +227,7 @@ def open_run(cfg: RLConfig, run_id: str, *, resume: bool, parent: dict[str, Any]
     try:
         if not resume:
             runs.write_run_info(cfg.public_dict(), code_version=code_version(), parent=parent,
-                                config_hash=cfg.config_hash())
+                                config_hash=cfg.config_hash(), base_model=inputs.base_model)
         created = str(runs.read_run_info()["created"])
     except BaseException:
         lease.release()

@@ -350,9 +350,16 @@ def _validate_before(trainer: Trainer) -> None:
 
 
 def _export(trainer: Trainer, engine: Engine, iteration: int) -> str:
+    """The policy in Hugging Face format under export/step_N; a LoRA run writes peft's adapter folder
+    there and, with trainer.export_merged, the merged weights under export/step_N_merged."""
     url = trainer.run.store.url(f"{trainer.plan.run_id}/export/step_{iteration:06d}")
-    engine.export_hf(url, trainer.run.store.storage_options())
-    get_run_logger().info("exported Hugging Face weights to %s", url)
+    merged = url + "_merged" if trainer.cfg.trainer.export_merged else None
+    engine.export_hf(url, trainer.run.store.storage_options(), merged)
+    if trainer.cfg.actor.lora.enabled:
+        get_run_logger().info("exported the LoRA adapters (peft) to %s%s", url,
+                              f" and the merged weights to {merged}" if merged else "")
+    else:
+        get_run_logger().info("exported Hugging Face weights to %s", url)
     return url
 
 

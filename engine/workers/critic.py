@@ -8,7 +8,7 @@ import torch
 from pydantic import BaseModel, Field
 from torch import nn
 
-from engine import algos
+from engine import algos, lora
 from engine.batch import Batch
 from engine.config import CriticConfig
 from engine.models import dropout_left, load_value_model, packed_inputs, positions
@@ -36,6 +36,9 @@ class CriticWorker(RankWorker):
         spec = self.spec
         torch.manual_seed(derive_seed(spec.seed, 0, "critic_head"))  # the new value head's init
         model = load_value_model(spec.model_path, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code)
+        self.lora = spec.critic.lora.enabled  # LoRA: adapters on the trunk, the value head trained in full
+        if self.lora:
+            model, _ = lora.apply_lora(model, spec.critic.lora, task="TOKEN_CLS", what="critic.lora")
         self.model = fsdp.shard_model(model, **fsdp.shard_options(spec.critic))
         self.optimizer = fsdp.build_optimizer(self.model, spec.critic)
         self.scheduler = fsdp.build_scheduler(self.optimizer, spec.critic, spec.total_iterations)
@@ -105,11 +108,12 @@ class CriticWorker(RankWorker):
 
     def save(self, url: str, storage_options: dict[str, Any]) -> list[dict[str, Any]]:
         extra = {"scheduler": self.scheduler.state_dict(), "rng": fsdp.rng_state(), "version": self.version}
-        return fsdp.save_sharded(url, self.model, self.optimizer, extra, storage_options)
+        return fsdp.save_sharded(url, self.model, self.optimizer, extra, storage_options, trainable_only=self.lora)
 
     def load(self, url: str, storage_options: dict[str, Any], expected: dict[str, tuple[int, str]] | None = None
              ) -> int:
-        extra = fsdp.load_sharded(url, self.model, self.optimizer, storage_options, expected)
+        extra = fsdp.load_sharded(url, self.model, self.optimizer, storage_options, expected,
+                                  trainable_only=self.lora)
         self.scheduler.load_state_dict(extra["scheduler"])
         fsdp.set_rng_state(extra["rng"])
         self.version = int(extra["version"])

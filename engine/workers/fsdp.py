@@ -123,39 +123,66 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every rank gets the full (unsharded) weights: an all-gather, called on every rank."""
+def full_state_dict(model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """Every rank gets the full (unsharded) weights: an all-gather, called on every rank.
+    `trainable_only`: the parameters that train (LoRA: the adapters), each gathered alone; nothing
+    frozen is gathered."""
+    if trainable_only:
+        return {name: _full(p).detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
 
-def full_state_dict_rank0(model: nn.Module) -> dict[str, torch.Tensor]:
+def full_state_dict_rank0(model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """Rank 0 gets the full weights on CPU, the others an empty dict; called on every rank."""
+    if trainable_only:
+        state = full_state_dict(model, trainable_only=True)
+        return {k: v.cpu() for k, v in state.items()} if dist.get_rank() == 0 else {}
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _trainable_only(model: nn.Module, model_sd: dict[str, Any]) -> dict[str, Any]:
+    """`model_sd` without the frozen parameters' entries. torch's ignore_frozen_params misses a frozen
+    weight tied to another (a tied output head: `lm_head.weight`), which would put the embedding matrix
+    in every LoRA checkpoint."""
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k not in frozen}
+
+
 def save_sharded(url: str, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any],
-                 storage_options: dict[str, Any]) -> list[checkpoint_io.FileRecord]:
+                 storage_options: dict[str, Any], trainable_only: bool = False) -> list[checkpoint_io.FileRecord]:
     """Model + optimizer shards into `url` (a folder or s3:// prefix), plus this rank's small state
-    (`extra`: scheduler, RNG, version); returns the files this rank wrote, hashed while written."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    (`extra`: scheduler, RNG, version); returns the files this rank wrote, hashed while written.
+    `trainable_only` (LoRA): the frozen base weights are left out, the checkpoint holds what trains."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=trainable_only))
+    if trainable_only:
+        model_sd = _trainable_only(model, model_sd)
     return checkpoint_io.save(url, {"model": model_sd, "optim": optim_sd}, extra, storage_options, dist.get_rank())
 
 
 def load_sharded(url: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                 storage_options: dict[str, Any], expected: dict[str, tuple[int, str]] | None = None
-                 ) -> dict[str, Any]:
+                 storage_options: dict[str, Any], expected: dict[str, tuple[int, str]] | None = None,
+                 trainable_only: bool = False) -> dict[str, Any]:
     """Inverse of save_sharded, every file verified against `expected` (the manifest) as it is read;
-    returns this rank's `extra`."""
+    returns this rank's `extra`. `trainable_only`: the checkpoint holds the trainable parameters only,
+    the frozen ones keep the values they were loaded with (the base model's)."""
+    options = StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
     if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         state = {"model": model_sd, "optim": optim_sd}
     else:
-        state = {"model": get_model_state_dict(model)}
+        state = {"model": get_model_state_dict(model, options=options)}
+    if trainable_only:
+        state["model"] = _trainable_only(model, state["model"])
     extra = checkpoint_io.load(url, state, storage_options, dist.get_rank(), expected)
     if optimizer is not None:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=options)
     else:
-        model.load_state_dict(state["model"])
+        model.load_state_dict(state["model"], strict=not trainable_only)
     return extra
 
 

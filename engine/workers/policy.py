@@ -27,7 +27,7 @@ from pydantic import BaseModel
 from torch import nn
 from transformers import DynamicCache
 
-from engine import algos
+from engine import algos, lora
 from engine.batch import Batch
 from engine.config import ActorConfig, RefConfig, RolloutConfig
 from engine.models import (
@@ -72,6 +72,9 @@ class PolicyWorker(RankWorker):
         self.tokenizer = load_tokenizer(spec.tokenizer_path, trust_remote_code=spec.trust_remote_code)
         base = load_model(spec.model_path, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code)
         stops = sorted(stop_token_ids(self.tokenizer, base))
+        self.peft: Any = None  # LoRA: the PeftModel around the actor (switches the adapters off for the ref)
+        if spec.actor.lora.enabled:
+            base, self.peft = lora.apply_lora(base, spec.actor.lora, task="CAUSAL_LM", what="actor.lora")
         self.rollout_model: nn.Module | None = None  # the copy (rollout.weights=copy)
         if spec.rollout.weights == "copy":
             self.rollout_model = copy.deepcopy(base)  # unsharded, generation only
@@ -82,7 +85,7 @@ class PolicyWorker(RankWorker):
         self.optimizer = fsdp.build_optimizer(self.actor, spec.actor)
         self.scheduler = fsdp.build_scheduler(self.optimizer, spec.actor, spec.total_iterations)
         self.ref: nn.Module | None = None
-        if spec.use_ref:  # the actor's precision and offload, no checkpointing (no backward)
+        if spec.use_ref and self.peft is None:  # the actor's precision and offload, no checkpointing (no backward)
             ref = load_model(spec.model_path, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code)
             ref.requires_grad_(False)
             self.ref = fsdp.shard_model(ref.eval(), mixed_precision=spec.actor.mixed_precision,
@@ -137,12 +140,20 @@ class PolicyWorker(RankWorker):
 
     @torch.no_grad()
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        """`ref_logp` [B, T] under the frozen reference policy."""
-        if self.ref is None:
+        """`ref_logp` [B, T] under the frozen reference policy: the reference model, or with LoRA the actor
+        with its adapters off (the base model, in the same weights: no second copy)."""
+        if not self.spec.use_ref:
             raise RuntimeError("this policy was built without a reference model (no KL term configured)")
         ref = self.spec.ref
-        logp, _ = self._forward_chunks(self.ref, batch, ref.micro_batch_size, ref.max_tokens_per_micro_batch,
-                                       entropy=False)
+        if self.peft is not None:
+            self.actor.eval()
+            with lora.adapters_disabled(self.peft):
+                logp, _ = self._forward_chunks(self.actor, batch, ref.micro_batch_size,
+                                               ref.max_tokens_per_micro_batch, entropy=False)
+        else:
+            assert self.ref is not None
+            logp, _ = self._forward_chunks(self.ref, batch, ref.micro_batch_size, ref.max_tokens_per_micro_batch,
+                                           entropy=False)
         return Batch({"ref_logp": logp}, {})
 
     @torch.no_grad()
@@ -247,45 +258,65 @@ class PolicyWorker(RankWorker):
     # -- weights -----------------------------------------------------------------------------------
     def sync_rollout_weights(self) -> dict[str, float]:
         """Gather the actor's shards into the rollout copy (every rank calls it: an all-gather). Generating
-        from the actor itself there is nothing to sync."""
+        from the actor itself there is nothing to sync. With LoRA only the adapters are gathered: the copy
+        holds the same frozen base weights and generates with the adapters (unmerged, so the base stays
+        exact whatever the number of updates)."""
         start = time.perf_counter()
+        sent = 0
         if self.rollout_model is not None:
-            self.rollout.load_weights(fsdp.full_state_dict(self.actor))
-        return {"timing_s/weight_sync": time.perf_counter() - start}
+            state = fsdp.full_state_dict(self.actor, trainable_only=self.peft is not None)
+            sent = sum(t.numel() * t.element_size() for t in state.values())
+            self.rollout.load_weights(state, partial=self.peft is not None)
+        return {"timing_s/weight_sync": time.perf_counter() - start, "perf/weight_sync_mb": sent / 2**20}
 
     def save(self, url: str, storage_options: dict[str, Any]) -> list[dict[str, Any]]:
-        """Sharded state into `url`; the files this rank wrote, with the sha256 taken while writing."""
+        """Sharded state into `url` (with LoRA: the adapters and their optimizer state, not the frozen
+        base); the files this rank wrote, with the sha256 taken while writing."""
         extra = {"scheduler": self.scheduler.state_dict(), "rng": fsdp.rng_state(), "version": self.version}
-        return fsdp.save_sharded(url, self.actor, self.optimizer, extra, storage_options)
+        return fsdp.save_sharded(url, self.actor, self.optimizer, extra, storage_options,
+                                 trainable_only=self.peft is not None)
 
     def load(self, url: str, storage_options: dict[str, Any], expected: dict[str, tuple[int, str]] | None = None
              ) -> int:
         """Restore actor, optimizer, scheduler and RNG from `url` (each file verified against `expected`
         as it is read); refresh the rollout copy; the version is the checkpoint's."""
-        extra = fsdp.load_sharded(url, self.actor, self.optimizer, storage_options, expected)
+        extra = fsdp.load_sharded(url, self.actor, self.optimizer, storage_options, expected,
+                                  trainable_only=self.peft is not None)
         self.scheduler.load_state_dict(extra["scheduler"])
         fsdp.set_rng_state(extra["rng"])
         self.version = int(extra["version"])
         self.sync_rollout_weights()
         return self.version
 
-    def export_hf(self, url: str, storage_options: dict[str, Any]) -> str | None:
-        """Hugging Face weights + tokenizer at `url`, written by rank 0 (every rank joins the gather)."""
+    def export_hf(self, url: str, storage_options: dict[str, Any], merged_url: str | None = None) -> str | None:
+        """Hugging Face weights + tokenizer at `url`, written by rank 0 (every rank joins the gather).
+        With LoRA, `url` gets peft's adapter folder (only the adapters are gathered; it loads with
+        `peft.PeftModel.from_pretrained(base, url)`), and `merged_url`, when given, the base model with
+        the adapters merged in (plain transformers)."""
         import tempfile
+        from pathlib import Path
 
-        import fsspec
-
-        state = fsdp.full_state_dict_rank0(self.actor)
+        state = fsdp.full_state_dict_rank0(self.actor, trainable_only=self.peft is not None)
         if self.rank != 0:
             return None
         model = load_model(self.spec.model_path, dtype=self.spec.dtype, trust_remote_code=self.spec.trust_remote_code)
-        model.load_state_dict(state)
         with tempfile.TemporaryDirectory(prefix="rlflow-export-") as tmp:
-            model.save_pretrained(tmp)
-            self.tokenizer.save_pretrained(tmp)
-            fs, path = fsspec.core.url_to_fs(url, **storage_options)
-            fs.makedirs(path, exist_ok=True)
-            fs.put(f"{tmp}/", path, recursive=True)
+            if self.peft is None:
+                model.load_state_dict(state)
+                model.save_pretrained(tmp)
+                self.tokenizer.save_pretrained(tmp)
+                _upload(tmp, url, storage_options)
+                return url
+            wrapped = lora.save_adapter_folder(model, self.spec.actor.lora, state, f"{tmp}/adapter", task="CAUSAL_LM",
+                                               base_path=self.spec.model_path)
+            self.tokenizer.save_pretrained(f"{tmp}/adapter")
+            _upload(f"{tmp}/adapter", url, storage_options)
+            if merged_url is not None:
+                merged = wrapped.merge_and_unload()
+                merged.save_pretrained(f"{tmp}/merged")
+                self.tokenizer.save_pretrained(f"{tmp}/merged")
+                assert not any(Path(tmp, "merged").glob("adapter_*"))
+                _upload(f"{tmp}/merged", merged_url, storage_options)
         return url
 
     def state_dtypes(self) -> dict[str, list[str]]:
@@ -306,7 +337,10 @@ class PolicyWorker(RankWorker):
                     for v in state.values() if isinstance(v, torch.Tensor))
         copy_bytes = sum(p.numel() * p.element_size() for p in self.rollout_model.parameters()) \
             if self.rollout_model is not None else 0
-        return {"params": int(params), "optimizer": int(optim), "rollout_copy": int(copy_bytes)}
+        ref = sum(local(p).numel() * p.element_size() for p in self.ref.parameters()) if self.ref is not None else 0
+        trainable = sum(local(p).numel() * p.element_size() for p in self.actor.parameters() if p.requires_grad)
+        return {"params": int(params), "trainable_params": int(trainable), "optimizer": int(optim),
+                "rollout_copy": int(copy_bytes), "ref": int(ref)}
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The full actor weights on rank 0 (empty on the others); every rank joins the gather."""
@@ -326,6 +360,14 @@ class PolicyWorker(RankWorker):
             digest.update(key.encode())
             digest.update(value.detach().contiguous().view(torch.uint8).numpy().tobytes())
         return digest.hexdigest()
+
+
+def _upload(folder: str, url: str, storage_options: dict[str, Any]) -> None:
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url, **storage_options)
+    fs.makedirs(path, exist_ok=True)
+    fs.put(f"{folder}/", path, recursive=True)
 
 
 Layout = Literal["shared", "packed", "padded"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import yaml
 
@@ -47,12 +48,24 @@ def reference() -> str:
         doc = (model.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")  # type: ignore[union-attr]
         lines += [f"## {section}", "", doc, "", "| key | default | |", "|---|---|---|"] if doc else \
                  [f"## {section}", "", "| key | default | |", "|---|---|---|"]
-        for name, info in model.model_fields.items():  # type: ignore[union-attr]
-            default = info.get_default(call_default_factory=True)
-            text = (info.description or "").replace("|", "\\|")
-            lines.append(f"| `{section}.{name}` | `{default!r}` | {text} |".replace("`''`", "`\"\"`"))
+        lines += _rows(section, model)
         lines.append("")
     return "\n".join(lines)
+
+
+def _rows(prefix: str, model: Any) -> list[str]:
+    """One table row per field; a sub-section (actor.lora) as its own fields, `prefix.sub.field`."""
+    from pydantic import BaseModel
+
+    rows = []
+    for name, info in model.model_fields.items():
+        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+            rows += _rows(f"{prefix}.{name}", info.annotation)
+            continue
+        default = info.get_default(call_default_factory=True)
+        text = (info.description or "").replace("|", "\\|")
+        rows.append(f"| `{prefix}.{name}` | `{default!r}` | {text} |".replace("`''`", "`\"\"`"))
+    return rows
 
 
 GENERAL = """Every model the engine loads (actor, the rollout copy where rollout.weights=copy, the reference, the critic) runs with every

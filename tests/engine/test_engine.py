@@ -25,12 +25,13 @@ pytestmark = pytest.mark.integration
 
 
 def make_spec(model_dir: Path, run_id: str, *, world_size: int = 2, use_ref: bool = True,
-              critic: bool = False, **actor: object) -> EngineSpec:
+              critic: bool = False, rollout_weights: str = "actor", **actor: object) -> EngineSpec:
     actor_cfg = ActorConfig(**{"lr": 1e-3, "mini_batch_size": 8, "micro_batch_size": 4, **actor})
     return EngineSpec(
         run_id=run_id, config_hash="h-" + run_id, world_size=world_size, timeout_s=120,
         policy=PolicySpec(model_path=str(model_dir), tokenizer_path=str(model_dir), use_ref=use_ref,
-                          rollout=RolloutConfig(max_new_tokens=8, micro_batch_size=8), actor=actor_cfg,
+                          rollout=RolloutConfig(max_new_tokens=8, micro_batch_size=8, weights=rollout_weights),
+                          actor=actor_cfg,
                           total_iterations=10),
         critic=CriticSpec(model_path=str(model_dir), critic=CriticConfig(lr=1e-3, mini_batch_size=8,
                                                                         micro_batch_size=4)) if critic else None,

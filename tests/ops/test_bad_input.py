@@ -174,6 +174,12 @@ BAD_CONFIG = {
     "missing-model-dir": (["model.path=/nonexistent/model"], "model.path '/nonexistent/model'"),
     "batch-larger-than-data": (["data.train_batch_size=64"], "data.train_batch_size=64"),
     "cuda-not-yet": (["trainer.device=cuda"], "trainer.device"),
+    "lora-target-not-in-model": (["actor.lora.rank=4", "actor.lora.target_modules=[q_proj,nope_proj]"],
+                                 "actor.lora.target_modules: 'nope_proj' is not a module"),
+    "lora-module-to-save-not-in-model": (["actor.lora.rank=4", "actor.lora.modules_to_save=[nope]"],
+                                         "actor.lora.modules_to_save: 'nope' is not a module"),
+    "export-merged-without-lora": (["trainer.export_merged=true"], "trainer.export_merged"),
+    "critic-lora-without-critic": (["critic.lora.rank=4"], "critic.lora.rank"),
 }
 
 
@@ -271,3 +277,34 @@ def test_resume_refused_leaves_the_run_intact(case: str, offline: Offline, exist
     error, _ = offline.train(*(o.format(tmp=tmp_path) for o in overrides), config=config, resume=run_id)
     assert named in error, error
     assert snapshot(folder) == before  # every file, its bytes and its mtime
+
+
+def test_resume_with_other_base_weights_is_refused(offline: Offline, tmp_path: Path) -> None:
+    """The same model.path with other bytes (a LoRA run's adapters sit on those weights): refused,
+    naming both hashes, the run left as it was."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from flows.config import load_config
+    from flows.plan import open_run
+
+    model = tmp_path / "base"
+    shutil.copytree(offline.model, model)
+    data = write_jsonl(tmp_path / "train.jsonl", good_rows())
+    cfg = load_config(None, [f"model.path={model}", f"storage.root={offline.root}", "trainer.run_id=lora-base",
+                             f"data.train_files=[{data}]", "actor.lora.rank=4"])
+    run = open_run(cfg, "lora-base", resume=False)
+    run.lease.release()
+    recorded = json.loads((offline.root / "lora-base" / "run.json").read_text())["base_model"]
+    assert recorded["path"] == str(model) and len(recorded["sha256"]) == 64
+    weights = load_file(model / "model.safetensors")
+    name = next(iter(weights))
+    weights[name] = weights[name] + torch.finfo(torch.float32).eps  # one tensor, a tiny change
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    before = snapshot(offline.root / "lora-base")
+    error, _ = offline.train(resume="lora-base")
+    assert f"--resume lora-base: the base model at {model} is not the one the run began with" in error, error
+    assert recorded["sha256"][:12] in error, error
+    assert snapshot(offline.root / "lora-base") == before
