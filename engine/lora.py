@@ -11,6 +11,7 @@ names in checkpoints, in the rollout copy and in the gathered adapter state.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -46,7 +47,9 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, task: str, what: str) -> tu
                              # the critic's value head is trained in full (peft's modules_to_save for TOKEN_CLS)
                              exclude_modules=_HEADS if task == "TOKEN_CLS" else None)
     try:
-        wrapped = peft.get_peft_model(model, config)
+        with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            wrapped = peft.get_peft_model(model, config)
     except ValueError as err:
         names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
         raise ConfigError(f"{what}: {str(err).splitlines()[0]} (the model's linear layers: "

@@ -221,9 +221,19 @@ def _export_policy(base: BaseCheckpoint, store: ObjectStore, tmp: Path) -> None:
     CheckpointStore(store, base.run_id).fetch(base.step, str(tmp / "ckpt"))  # verifies every file
     model = load_model(resolve_model_path(parent.model, parent.data.task), dtype=parent.model.dtype,
                        trust_remote_code=parent.model.trust_remote_code)
-    state = {"model": model.state_dict()}
+    wrapped = None
+    if parent.actor.lora.enabled:  # an adapter-only checkpoint: its adapters, merged into the parent's base
+        from engine.lora import adapter_names, apply_lora
+
+        model, wrapped = apply_lora(model, parent.actor.lora, task="CAUSAL_LM", what="actor.lora")
+        trainable = set(adapter_names(model))
+        state = {"model": {k: v for k, v in model.state_dict().items() if k in trainable}}
+    else:
+        state = {"model": model.state_dict()}
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(tmp / "ckpt" / "policy")))  # in place, one process
-    model.load_state_dict(state["model"])
+    model.load_state_dict(state["model"], strict=wrapped is None)
+    if wrapped is not None:
+        model = wrapped.merge_and_unload()
     model.save_pretrained(tmp / "hf")
     load_tokenizer(resolve_tokenizer_path(parent.model, parent.data.task),
                    trust_remote_code=parent.model.trust_remote_code).save_pretrained(tmp / "hf")

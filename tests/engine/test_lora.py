@@ -177,3 +177,34 @@ def test_critic_with_lora_trains_adapters_and_its_value_head(updated: dict, tiny
     changed = {k for k in after if not torch.equal(after[k], before[k])}
     assert changed and all("lora_" in k or "modules_to_save" in k for k in changed), sorted(changed)[:5]
     assert any("modules_to_save" in k for k in changed)  # the value head trains in full
+
+
+def test_modules_to_save_train_in_full_next_to_the_adapters(updated: dict, tiny_model_dir: Path,
+                                                          tmp_path: Path) -> None:
+    """actor.lora.modules_to_save=[lm_head] on a model whose head is tied to its embeddings: the head
+    trains as its own copy, the embeddings stay the base's, and the checkpoint and the export hold the
+    trained head (and not the frozen embedding matrix)."""
+    updated["full"].stop()  # its CPUs (the LoRA engine keeps 2 of the head's 4)
+    spec = make_spec(tiny_model_dir, "lora-head", world_size=1, use_ref=False,
+                     lora=LoraConfig(rank=4, alpha=8, modules_to_save=["lm_head"]))
+    eng = Engine.start(spec)
+    try:
+        _, train = train_batch(eng, tiny_model_dir)
+        before = eng.policy.call("full_weights")[0]
+        eng.update_actor(train, iteration=1, expected_version=0)
+        after = eng.policy.call("full_weights")[0]
+        records = eng.save(str(tmp_path / "ckpt"))
+        eng.export_hf(str(tmp_path / "adapter"))
+    finally:
+        eng.stop()
+    changed = {k for k in after if not torch.equal(after[k], before[k])}
+    assert "lm_head.modules_to_save.default.weight" in changed
+    assert all(".lora_B." in k or "modules_to_save" in k for k in changed), sorted(changed)
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(str(tmp_path / "ckpt" / "policy")).read_metadata().state_dict_metadata
+    assert "model.lm_head.modules_to_save.default.weight" in keys
+    assert not [k for k in keys if k.startswith("model.") and "lora_" not in k and "modules_to_save" not in k]
+    assert sum(r["size"] for r in records) > 0
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert any("lm_head" in k for k in saved) and not any("embed_tokens" in k for k in saved)

@@ -29,6 +29,8 @@ from tests.services import Cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 LINEAGE = "nightly"
+# The lineage trains LoRA adapters (its checkpoints hold only them) and exports them merged too.
+LORA = ("actor.lora.rank=4", "actor.lora.alpha=8", "trainer.export_merged=true")
 INTERVAL_S = 20  # the first scheduled run comes due soon after the deployment
 
 
@@ -75,7 +77,7 @@ def lineage(cli: Cli, tiny_model_dir: Path, root: Path, api_url: str,
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     start = time.monotonic()
-    proc = cli("deploy", *run_args(tiny_model_dir, root, "trainer.iterations_per_run=1"), "--name", LINEAGE,
+    proc = cli("deploy", *run_args(tiny_model_dir, root, "trainer.iterations_per_run=1", *LORA), "--name", LINEAGE,
                "--interval", str(INTERVAL_S))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"deployment {FLOW}/{LINEAGE}" in proc.stdout
@@ -117,7 +119,7 @@ def _scheduled_then_queued(client: Any, deployment_id: Any, server: Server, time
     return runs
 
 
-def test_continue_lineage_on_schedule(lineage: dict[str, Any], root: Path, cli: Cli) -> None:
+def test_continue_lineage_on_schedule(lineage: dict[str, Any], root: Path, cli: Cli, tiny_model_dir: Path) -> None:
     first, second = lineage["runs"]
     assert first.auto_scheduled and not second.auto_scheduled  # made by the schedule; by hand meanwhile
     # It came while the first ran: it waited, and they never overlapped.
@@ -137,6 +139,17 @@ def test_continue_lineage_on_schedule(lineage: dict[str, Any], root: Path, cli: 
     assert rows[0] and rows[1] and not rows[0] & rows[1]
     info = json.loads((run / "run.json").read_text())
     assert info["parent"] is None and info["code_version"] and info["config_hash"]
+    assert info["base_model"]["path"] == str(tiny_model_dir) and len(info["base_model"]["sha256"]) == 64
+    # A LoRA lineage: one base model and a history of adapter checkpoints, each run going on from the last.
+    import torch.distributed.checkpoint as dcp
+
+    for step in (1, 2):
+        keys = dcp.FileSystemReader(str(run / "checkpoints" / f"step_{step:06d}" / "policy")).read_metadata()
+        weights = [k for k in keys.state_dict_metadata if k.startswith("model.")]
+        assert weights and all("lora_" in k for k in weights), weights[:3]
+    adapters = [load_file(run / "export" / f"step_{i:06d}" / "adapter_model.safetensors") for i in (1, 2)]
+    assert adapters[0].keys() == adapters[1].keys()
+    assert any(not bool((adapters[0][k] == adapters[1][k]).all()) for k in adapters[0])
     shown = cli("runs", "show", LINEAGE, "--root", str(root))
     assert shown.returncode == 0 and "code version" in shown.stdout and info["config_hash"][:12] in shown.stdout
 
@@ -161,9 +174,10 @@ def test_fresh_run_from_base_checkpoint(lineage: dict[str, Any], cli: Cli, tiny_
     assert info["parent"]["run_id"] == LINEAGE and info["parent"]["step"] == 2
     assert info["parent"]["checkpoint"].endswith("nightly/checkpoints/step_000002")
     assert info["config"]["model"]["path"] == info["parent"]["model_path"]
-    # The new run's model is the parent's policy at step 2, exactly (the parent's export of that step).
+    # The new run's model is the parent's policy at step 2, exactly: its base with the step's adapters
+    # merged, as the parent's merged export of that step.
     made = load_file(Path(info["parent"]["model_path"]) / "model.safetensors")
-    exported = load_file(root / LINEAGE / "export" / "step_000002" / "model.safetensors")
+    exported = load_file(root / LINEAGE / "export" / "step_000002_merged" / "model.safetensors")
     assert made.keys() == exported.keys() and all(bool((made[k] == exported[k]).all()) for k in made)
     assert (root / child / "metrics" / "iter_000001.json").exists()
     shown = cli("runs", "show", child, "--root", str(root))
