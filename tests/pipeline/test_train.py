@@ -50,12 +50,24 @@ def test_grpo_three_iterations_on_s3(cli: Cli, tiny_model_dir: Path, s3_server) 
     assert "grpo-s3" not in listed.stdout  # the engine is stopped at the end of the run
 
 
-def test_ppo_two_iterations(cli: Cli, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_ppo_with_lora_actor_and_critic_two_iterations(cli: Cli, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """PPO (full fine-tuning PPO runs in tests/pipeline/test_algorithms.py) with LoRA on both models: the
+    critic's checkpoint holds its adapters and its value head, the actor's its adapters."""
+    import torch.distributed.checkpoint as dcp
+
     proc = cli("train", "configs/tiny_ppo.yaml",
-               *common(tiny_model_dir, str(tmp_path), "ppo", "trainer.total_iterations=2", "trainer.val_every=0"))
+               *common(tiny_model_dir, str(tmp_path), "ppo", "trainer.total_iterations=2", "trainer.val_every=0",
+                       "actor.lora.rank=4", "critic.lora.rank=4"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     last = json.loads((tmp_path / "ppo" / "metrics" / "iter_000002.json").read_text())
     assert {"critic/vf_loss", "critic/values/mean", "actor/pg_loss", "timing_s/update_critic"} <= set(last)
+    step = tmp_path / "ppo" / "checkpoints" / "step_000002"
+    for role, trained in (("policy", ("lora_",)), ("critic", ("lora_", "modules_to_save"))):
+        keys = dcp.FileSystemReader(str(step / role)).read_metadata().state_dict_metadata
+        weights = [k for k in keys if k.startswith("model.")]
+        assert weights and all(any(t in k for t in trained) for k in weights), (role, weights[:3])
+    assert any("modules_to_save" in k for k in keys)  # the critic's value head
+    assert (tmp_path / "ppo" / "export" / "step_000002" / "adapter_model.safetensors").exists()
 
 
 def test_grpo_one_optimizer_step_skips_the_old_logprob_pass(cli: Cli, tiny_model_dir: Path, tmp_path: Path) -> None:
