@@ -57,7 +57,12 @@ def speed(work: Path, home: Path, steps: int) -> dict[str, Any]:
         manifest = json.loads((run / "checkpoints" / f"step_{steps:06d}" / "MANIFEST.json").read_text())
         rows = [json.loads((run / "metrics" / f"iter_{i:06d}.json").read_text()) for i in range(1, steps + 1)]
         res["checkpoint_mb"] = manifest["total_bytes"] / 2**20
-        res["save_s"] = statistics.median(m["timing_s/save_checkpoint"] for m in rows[1:] or rows)
+        log = (work / "out" / f"rlflow-W3-b{BETA}-lora-{variant}" / "log.txt").read_text()
+        saves = [float(line.rsplit(" in ", 1)[1].split()[0]) for line in log.splitlines()
+                 if "checkpoint step" in line and "committed:" in line]
+        res["save_s"] = statistics.median(saves[1:] or saves)  # the first save also creates the folders
+        res["update_s"] = statistics.median(m["timing_s/update_actor"] for m in rows[1:] or rows)
+        res["gen_s"] = statistics.median(m["timing_s/gen"] for m in rows[1:] or rows)
         out[variant] = res
         print(f"[speed {variant}] {res['s_per_step']:.1f} s/step, rank peak {res['rank_peak_gb']:.2f} GB, "
               f"checkpoint {res['checkpoint_mb']:.2f} MB in {res['save_s']:.2f} s", flush=True)
@@ -87,6 +92,9 @@ def sync(work: Path, home: Path, repeats: int = 10) -> dict[str, Any]:
         out[variant] = {"sync_s": statistics.median(r["timing_s/weight_sync"] for r in runs),
                         "sync_mb": runs[0]["perf/weight_sync_mb"]}
         print(f"[sync {variant}] {out[variant]['sync_s'] * 1000:.1f} ms, {out[variant]['sync_mb']:.2f} MB", flush=True)
+    import ray
+
+    ray.shutdown()  # this process leaves the cluster before the stack goes down
     return out
 
 
@@ -128,7 +136,8 @@ def main() -> None:
     home = work / "home"
     stack = LocalStack(StackConfig(home=str(home), prefect_port=vs_trl._free_port(), ray_port=vs_trl._free_port()))
     stack.up()
-    results: dict[str, Any] = {"meta": {"command": " ".join(["lora.py", *sys.argv[1:]]), "beta": BETA,
+    previous = json.loads(args.out.read_text()) if args.out.exists() else {}
+    results: dict[str, Any] = {**previous, "meta": {"command": " ".join(["lora.py", *sys.argv[1:]]), "beta": BETA,
                                         "steps": args.steps, "learn_iterations": args.learn_iterations}}
     try:
         for part in args.parts.split(","):

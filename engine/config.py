@@ -107,7 +107,7 @@ class LoraConfig(Section):
     """LoRA adapters (peft) on a frozen base model: only the adapters (and `modules_to_save`) train."""
 
     rank: int = Field(0, ge=0, description="the adapters' rank r; 0: no LoRA (full fine-tuning)")
-    alpha: float = Field(16.0, gt=0, description="scaling: the adapter's update is multiplied by alpha / rank")
+    alpha: int = Field(16, gt=0, description="scaling: the adapter's update is multiplied by alpha / rank")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input; 0 for RL (a positive "
                            "rate makes the update's log-probs differ from the old ones it is compared with)")
     target_modules: list[str] | Literal["all-linear"] = Field(

@@ -51,10 +51,12 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, task: str, what: str) -> tu
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             wrapped = peft.get_peft_model(model, config)
     except ValueError as err:
-        names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
         raise ConfigError(f"{what}: {str(err).splitlines()[0]} (the model's linear layers: "
-                          f"{', '.join(names)}; or all-linear)") from err
-    return wrapped.base_model.model, wrapped
+                          f"{', '.join(linear)}; or all-linear)") from err
+    inner = wrapped.base_model.model
+    assert isinstance(inner, nn.Module)
+    return inner, wrapped
 
 
 _HEADS = ["score", "classifier"]  # transformers' names of a token-classification head

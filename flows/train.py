@@ -337,7 +337,10 @@ def _checkpoint(trainer: Trainer, iteration: int, force: bool = False) -> None:
     if iteration <= 0 or (not force and iteration % trainer.cfg.trainer.save_every):
         return
     with stage_options():
-        save_checkpoint.submit(trainer.plan, iteration, trainer.trainer_state(iteration)).result()
+        saved = save_checkpoint.submit(trainer.plan, iteration, trainer.trainer_state(iteration)).result()
+    if not saved.reused:  # after the iteration's metrics (its end): the save is in the log
+        get_run_logger().info("checkpoint step %d committed: %.2f MB in %.2f s", iteration,
+                              saved.metrics["checkpoint/mb"], saved.metrics["timing_s/save_checkpoint"])
 
 
 def _validate_before(trainer: Trainer) -> None:

@@ -400,8 +400,9 @@ def save_checkpoint(plan: RunPlan, iteration: int, trainer_state: dict[str, Any]
     ckpts.write_trainer_state(iteration, trainer_state)
     ckpts.commit(iteration, written)  # MANIFEST from those hashes, then LATEST, then retention
     seconds = time.perf_counter() - start
+    mb = sum(int(r["size"]) for r in written) / 2**20
     get_run_logger().info("checkpoint step %d committed at %s in %.2f s", iteration, staging, seconds)
-    return StageResult(metrics={"timing_s/save_checkpoint": seconds})
+    return StageResult(metrics={"timing_s/save_checkpoint": seconds, "checkpoint/mb": mb})
 
 
 @stage_task("validate", cache=False)

@@ -342,6 +342,10 @@ class PolicyWorker(RankWorker):
         return {"params": int(params), "trainable_params": int(trainable), "optimizer": int(optim),
                 "rollout_copy": int(copy_bytes), "ref": int(ref)}
 
+    def trainable_weights(self) -> dict[str, torch.Tensor]:
+        """The full trainable parameters (LoRA: the adapters) as the weight sync gathers them."""
+        return fsdp.full_state_dict(self.actor, trainable_only=True)
+
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The full actor weights on rank 0 (empty on the others); every rank joins the gather."""
         return fsdp.full_state_dict_rank0(self.actor)

@@ -96,6 +96,11 @@ def test_rollout_copy_receives_the_adapters_only(updated: dict) -> None:
     full_mb = sum(t.numel() * t.element_size() for t in updated["before"].values()) / 2**20
     assert metrics["perf/weight_sync_mb"] == pytest.approx(adapter_mb)
     assert adapter_mb < 0.2 * full_mb
+    # what the sync gathers (all adapters in one collective) is the actor's adapters, bit for bit
+    full = lora.policy.call("full_weights")[0]
+    for gathered in lora.policy.call("trainable_weights"):
+        assert gathered.keys() == {k for k in full if "lora_" in k}
+        assert all(torch.equal(gathered[k], full[k]) for k in gathered)
     # the copy generates with base + current adapters: its log-probs are the actor's
     actor = lora.compute_log_prob(batch, expected_version=1)["old_logp"]
     rollout = lora.policy.call("rollout_log_prob", batch, mode="dp")["logp"]
@@ -185,7 +190,8 @@ def test_modules_to_save_train_in_full_next_to_the_adapters(updated: dict, tiny_
     trains as its own copy, the embeddings stay the base's, and the checkpoint and the export hold the
     trained head (and not the frozen embedding matrix)."""
     updated["full"].stop()  # its CPUs (the LoRA engine keeps 2 of the head's 4)
-    spec = make_spec(tiny_model_dir, "lora-head", world_size=1, use_ref=False,
+    updated["lora"].stop()  # 2 ranks here: the head's 103 rows split unevenly (52 + 51) across them
+    spec = make_spec(tiny_model_dir, "lora-head", world_size=2, use_ref=False,
                      lora=LoraConfig(rank=4, alpha=8, modules_to_save=["lm_head"]))
     eng = Engine.start(spec)
     try:
@@ -193,6 +199,9 @@ def test_modules_to_save_train_in_full_next_to_the_adapters(updated: dict, tiny_
         before = eng.policy.call("full_weights")[0]
         eng.update_actor(train, iteration=1, expected_version=0)
         after = eng.policy.call("full_weights")[0]
+        for gathered in eng.policy.call("trainable_weights"):  # one all-gather of uneven shards
+            assert "lm_head.modules_to_save.default.weight" in gathered
+            assert all(torch.equal(gathered[k], after[k]) for k in gathered)
         records = eng.save(str(tmp_path / "ckpt"))
         eng.export_hf(str(tmp_path / "adapter"))
     finally:
