@@ -36,6 +36,8 @@ REUSED = ("generate_rollouts", "score_rewards", "compute_old_logprobs", "compute
 # update_policy of iteration 2 fails on every attempt of the first flow run (the task's own retries
 # included), then passes: the count is kept in storage (tasks/faults.py).
 FAULT = ["debug.fail_stage=update_policy", f"debug.fail_times={RETRIES + 1}", "debug.fail_iteration=2"]
+# The runs train LoRA adapters: Retry of a LoRA run (full fine-tuning's Retry is the same flow path).
+LORA = ["actor.lora.rank=4", "actor.lora.alpha=8"]
 STAGE = f"algorithm.extra_stages={Path(__file__).resolve().parents[1] / 'pipeline' / 'stages.py'}:brevity"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -64,7 +66,7 @@ def server(cli: Cli, tiny_model_dir: Path, root: Path, tmp_path_factory: pytest.
            ) -> Iterator[Server]:
     """Two deployments of failing runs (one per test), served for the module."""
     for name in ("retry-api", "retry-ui"):
-        proc = cli("deploy", *run_args(tiny_model_dir, root, "trainer.iterations_per_run=2", STAGE, *FAULT),
+        proc = cli("deploy", *run_args(tiny_model_dir, root, "trainer.iterations_per_run=2", STAGE, *FAULT, *LORA),
                    "--name", name, "--cron", NEVER)
         assert proc.returncode == 0, proc.stderr[-3000:]
     with serving(cli, ["retry-api", "retry-ui"], tmp_path_factory.mktemp("serve-home")) as served:
@@ -103,6 +105,11 @@ def assert_retried(prefect: Any, server: Server, run: Any, root: Path, rollout: 
     assert metrics[1]["stages/reused"] >= len(REUSED)
     assert all("actor/pg_loss" in m for m in metrics)
     assert "attached to the live engine" in flow_logs(prefect, [retried.id])  # the engine carried on
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(str(root / name / "checkpoints" / "step_000002" / "policy")).read_metadata()
+    weights = [k for k in keys.state_dict_metadata if k.startswith("model.")]
+    assert weights and all("lora_" in k for k in weights)  # the retried run committed adapters only
 
 
 def test_retry_through_the_api(prefect: Any, server: Server, root: Path) -> None:
