@@ -124,16 +124,12 @@ class LoraConfig(Section):
     @field_validator("target_modules", mode="before")
     @classmethod
     def _split_modules(cls, value: object) -> object:
-        if isinstance(value, str) and value != "all-linear":  # `actor.lora.target_modules=q_proj,v_proj`
-            return [part.strip() for part in value.split(",") if part.strip()]
-        return value
+        return value if value == "all-linear" else comma_list(value)  # `actor.lora.target_modules=q_proj,v_proj`
 
     @field_validator("modules_to_save", mode="before")
     @classmethod
     def _split_saved(cls, value: object) -> object:
-        if isinstance(value, str):
-            return [part.strip() for part in value.split(",") if part.strip()]
-        return value
+        return comma_list(value)
 
 
 class OptimConfig(Section):
@@ -286,9 +282,7 @@ class AlgorithmConfig(Section):
     @field_validator("extra_stages", mode="before")
     @classmethod
     def _split_stages(cls, value: object) -> object:
-        if isinstance(value, str):  # `algorithm.extra_stages=a.py:f,b.py:g` on the command line
-            return [part.strip() for part in value.split(",") if part.strip()]
-        return value
+        return comma_list(value)  # `algorithm.extra_stages=a.py:f,b.py:g` on the command line
 
     @field_validator("extra_stages")
     @classmethod
@@ -324,6 +318,13 @@ class RewardConfig(Section):
     @classmethod
     def _absolute_function(cls, value: str | None) -> str | None:
         return absolute_file_spec(value) if value is not None else None
+
+
+def comma_list(value: object) -> object:
+    """A list setting given as one string on the command line (`a,b,c`) as its items; anything else as is."""
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
 
 
 def absolute_file_spec(spec: str) -> str:

@@ -30,12 +30,12 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, task: str, what: str) -> tu
     import peft
 
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()} | {name for name, _ in model.named_modules()}
+    linear = ", ".join(sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}))
     if cfg.target_modules != "all-linear":
         missing = [m for m in cfg.target_modules if m not in names]
         if missing:  # peft refuses only when none of them is found
-            linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
             raise ConfigError(f"{what}: {missing[0]!r} is not a module of {type(model).__name__}; its linear layers: "
-                              f"{', '.join(linear)} (or all-linear)")
+                              f"{linear} (or all-linear)")
     unknown = [m for m in cfg.modules_to_save if m not in names]
     if unknown:  # peft would skip them silently
         raise ConfigError(f"{what.rsplit('.', 1)[0]}.modules_to_save: {unknown[0]!r} is not a module of "
@@ -51,9 +51,8 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, task: str, what: str) -> tu
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             wrapped = peft.get_peft_model(model, config)
     except ValueError as err:
-        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
-        raise ConfigError(f"{what}: {str(err).splitlines()[0]} (the model's linear layers: "
-                          f"{', '.join(linear)}; or all-linear)") from err
+        raise ConfigError(f"{what}: {str(err).splitlines()[0]} (the model's linear layers: {linear}; "
+                          "or all-linear)") from err
     inner = wrapped.base_model.model
     assert isinstance(inner, nn.Module)
     return inner, wrapped

@@ -26,6 +26,7 @@ from engine.config import (
     RewardConfig,
     RolloutConfig,
     Section,
+    comma_list,
 )
 from engine.errors import ConfigError
 from flows.loggers import LoggerName
@@ -67,10 +68,7 @@ class TrainerConfig(Section):
     @field_validator("loggers", mode="before")
     @classmethod
     def _split_loggers(cls, value: Any) -> Any:
-        # `trainer.loggers=tensorboard,wandb` on the command line arrives as one string.
-        if isinstance(value, str):
-            return [part.strip() for part in value.split(",") if part.strip()]
-        return value
+        return comma_list(value)  # `trainer.loggers=tensorboard,wandb` on the command line
 
     @field_validator("loggers")
     @classmethod
