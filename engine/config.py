@@ -189,6 +189,9 @@ class ActorConfig(OptimConfig):
         "auto", description="forward passes run each distinct prompt of a micro-batch once and its responses "
         "on its KV cache (GRPO groups share a prompt): the same log-probs, about half the compute at n=8; "
         "auto: on, unless gradient_checkpointing or packed_sequences (which it cannot combine with)")
+    behavior_is_cap: float = Field(
+        2.0, ge=1, description="asynchronous runs (trainer.max_staleness > 0): the cap of the truncated importance "
+        "weight min(pi_prox / pi_behav, cap) that corrects each token of a stale rollout (decoupled PPO)")
     old_log_prob: Literal["auto", "recompute"] = Field(
         "auto", description="auto: skip the separate old log-prob pass when the update is one optimizer step "
         "on the whole batch (see reuses_update_logp); recompute: always run it")
@@ -236,6 +239,23 @@ class ActorConfig(OptimConfig):
     @classmethod
     def _known_kl(cls, v: str) -> str:
         return _one_of(v, _kl_estimators())
+
+
+class PlacementConfig(Section):
+    """Where the roles run: resource pools of ranks, each a Ray placement group.
+
+    colocated: one pool; actor, rollout and reference share each rank (the hybrid engine), and the
+    critic has its own group of trainer.world_size ranks. split: a training pool (actor, reference,
+    critic: trainer.world_size ranks) and a rollout pool of `rollout_ranks` ranks that only generate;
+    after each update the weights go from the training pool to the rollout pool over a collective group
+    spanning both, in buckets of `sync_bucket_mb`.
+    """
+
+    mode: Literal["colocated", "split"] = "colocated"
+    rollout_ranks: int = Field(1, gt=0, description="split: the ranks of the rollout pool")
+    sync_bucket_mb: float = Field(32.0, gt=0, description="split: the weight sync's bucket size (MB per broadcast)")
+    cpus_per_rank: int | None = Field(None, gt=0, description="CPUs (torch threads) of every rank; default: this "
+                                      "machine's cores / all ranks (training + rollout)")
 
 
 class CriticConfig(OptimConfig):

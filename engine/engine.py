@@ -14,10 +14,11 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from engine.batch import Batch
-from engine.errors import EngineDeadError, EngineError
+from engine.errors import ConfigError, EngineDeadError, EngineError, VersionMismatchError
 from engine.workers.critic import CriticSpec, CriticWorker
 from engine.workers.group import NAMESPACE, WorkerGroup, check_run_id
 from engine.workers.policy import PolicySpec, PolicyWorker
+from engine.workers.rollout_worker import RolloutWorker
 
 
 class EngineSpec(BaseModel):
@@ -32,37 +33,88 @@ class EngineSpec(BaseModel):
     timeout_s: float = 1800.0
     policy: PolicySpec
     critic: CriticSpec | None = None
+    rollout_ranks: int = 0  # placement.mode=split: the rollout pool's ranks (0: colocated)
+    rollout_num_cpus_per_rank: float = 1.0
+    sync_bucket_mb: float = 32.0
+
+    def pools(self) -> list[tuple[str, int, float, float]]:
+        """(pool, ranks, CPUs per rank, GPUs per rank) of every worker group this engine places."""
+        pools = [("policy", self.world_size, self.num_cpus_per_rank, self.num_gpus_per_rank)]
+        if self.critic is not None:
+            pools.append(("critic", self.world_size, self.num_cpus_per_rank, self.num_gpus_per_rank))
+        if self.rollout_ranks:
+            pools.append(("rollout", self.rollout_ranks, self.rollout_num_cpus_per_rank, self.num_gpus_per_rank))
+        return pools
+
+
+def check_fits(spec: EngineSpec, cluster: dict[str, float]) -> None:
+    """ConfigError, with the numbers, when the engine's pools need more CPUs or GPUs than the Ray
+    cluster `cluster` (ray.cluster_resources()) has in all."""
+    for resource in ("CPU", "GPU"):
+        parts = [(name, ranks, cpus if resource == "CPU" else gpus) for name, ranks, cpus, gpus in spec.pools()]
+        need = sum(ranks * per for _, ranks, per in parts)
+        have = float(cluster.get(resource, 0.0))
+        if need > have + 1e-9:
+            detail = " + ".join(f"{name} pool {ranks} x {per:g}" for name, ranks, per in parts if per)
+            raise ConfigError(f"the placement does not fit the Ray cluster: {detail} = {need:g} {resource}s, the "
+                              f"cluster has {have:g}; lower trainer.world_size or placement.rollout_ranks, or add nodes")
 
 
 class Engine:
-    def __init__(self, spec: EngineSpec, policy: WorkerGroup, critic: WorkerGroup | None) -> None:
-        self.spec, self.policy, self.critic = spec, policy, critic
+    def __init__(self, spec: EngineSpec, policy: WorkerGroup, critic: WorkerGroup | None,
+                 rollout: WorkerGroup | None = None) -> None:
+        self.spec, self.policy, self.critic, self.rollout = spec, policy, critic, rollout
 
     # -- lifecycle ---------------------------------------------------------------------------------
     @classmethod
     def start(cls, spec: EngineSpec) -> Engine:
-        """Create the worker groups (stopping any leftover actors of this run id first)."""
+        """Create the worker groups (stopping any leftover actors of this run id first). Split placement:
+        the rollout pool too, and the sync group spanning the training group's rank 0 and it."""
+        import ray
+
         check_run_id(spec.run_id)
-        policy = cls._create(spec, "policy", PolicyWorker, spec.policy.model_dump())
-        critic = None
-        if spec.critic is not None:
-            try:
+        check_fits(spec, ray.cluster_resources())
+        groups: list[WorkerGroup] = []
+        try:
+            groups.append(cls._create(spec, "policy", PolicyWorker, spec.policy.model_dump()))
+            critic = rollout = None
+            if spec.critic is not None:
                 critic = cls._create(spec, "critic", CriticWorker, spec.critic.model_dump())
-            except BaseException:
-                policy.stop()
-                raise
-        return cls(spec, policy, critic)
+                groups.append(critic)
+            if spec.rollout_ranks:
+                rollout = cls._create(spec, "rollout", RolloutWorker, spec.policy.model_dump(),
+                                      world_size=spec.rollout_ranks, num_cpus=spec.rollout_num_cpus_per_rank)
+                groups.append(rollout)
+            engine = cls(spec, groups[0], critic, rollout)
+            if rollout is not None:
+                engine._join_sync_group()
+        except BaseException:
+            for group in groups:
+                group.stop()
+            raise
+        return engine
+
+    def _join_sync_group(self) -> None:
+        """Every member joins at once: the training group's rank 0 (sender) and each rollout rank."""
+        from engine.workers.group import _gather
+
+        assert self.rollout is not None
+        host, port = self.policy.call("rendezvous_address", mode="rank0")
+        world = 1 + self.rollout.world_size
+        timeout = min(self.spec.timeout_s, 300.0)
+        refs = [a.join_sync_group.remote(host, port, world, timeout) for a in self.policy.actors]
+        refs += [a.join_sync_group.remote(host, port, world, timeout) for a in self.rollout.actors]
+        _gather(refs, "join_sync_group", timeout)
 
     @classmethod
     def attach(cls, spec: EngineSpec) -> Engine:
         """The live engine of `spec.run_id`; EngineDeadError when it (or one rank) is gone."""
-        policy = WorkerGroup.attach(run_id=spec.run_id, role="policy", config_hash=spec.config_hash,
-                                    namespace=spec.namespace, timeout_s=spec.timeout_s)
-        critic = None
-        if spec.critic is not None:
-            critic = WorkerGroup.attach(run_id=spec.run_id, role="critic", config_hash=spec.config_hash,
-                                        namespace=spec.namespace, timeout_s=spec.timeout_s)
-        engine = cls(spec, policy, critic)
+        def group(role: str) -> WorkerGroup:
+            return WorkerGroup.attach(run_id=spec.run_id, role=role, config_hash=spec.config_hash,
+                                      namespace=spec.namespace, timeout_s=spec.timeout_s)
+
+        engine = cls(spec, group("policy"), group("critic") if spec.critic is not None else None,
+                     group("rollout") if spec.rollout_ranks else None)
         engine.versions()  # the ranks of each role must agree, or the engine is unusable
         return engine
 
@@ -82,23 +134,24 @@ class Engine:
         return stop_engine(run_id, namespace)
 
     def stop(self) -> None:
-        self.policy.stop()
-        if self.critic is not None:
-            self.critic.stop()
+        for group in (self.policy, self.critic, self.rollout):
+            if group is not None:
+                group.stop()
 
     @staticmethod
-    def _create(spec: EngineSpec, role: str, worker_cls: type, worker_spec: dict[str, Any]) -> WorkerGroup:
+    def _create(spec: EngineSpec, role: str, worker_cls: type, worker_spec: dict[str, Any],
+                world_size: int | None = None, num_cpus: float | None = None) -> WorkerGroup:
         return WorkerGroup.create(
-            run_id=spec.run_id, role=role, worker_cls=worker_cls, world_size=spec.world_size,
+            run_id=spec.run_id, role=role, worker_cls=worker_cls, world_size=world_size or spec.world_size,
             config_hash=spec.config_hash, init_kwargs={"spec": worker_spec},
-            num_cpus_per_rank=spec.num_cpus_per_rank, num_gpus_per_rank=spec.num_gpus_per_rank,
+            num_cpus_per_rank=num_cpus or spec.num_cpus_per_rank, num_gpus_per_rank=spec.num_gpus_per_rank,
             placement=spec.placement, backend=spec.backend, namespace=spec.namespace, timeout_s=spec.timeout_s,
         )
 
     def versions(self) -> dict[str, int]:
         """{role: version}; EngineError when the ranks of one role disagree (a half-applied update)."""
         found = {}
-        for role, group in (("policy", self.policy), ("critic", self.critic)):
+        for role, group in (("policy", self.policy), ("critic", self.critic), ("rollout", self.rollout)):
             if group is None:
                 continue
             versions = set(group.call("get_version"))
@@ -113,10 +166,31 @@ class Engine:
         return self.versions()["policy"]
 
     # -- stages ------------------------------------------------------------------------------------
-    def generate(self, prompts: Batch, *, iteration: int, expected_version: int | None, do_sample: bool = True
-                 ) -> Batch:
-        return self.policy.call("generate", prompts, mode="dp", iteration=iteration,
-                                expected_version=expected_version, do_sample=do_sample)
+    def generate(self, prompts: Batch, *, iteration: int, expected_version: int | None, do_sample: bool = True,
+                 pool: Literal["rollout", "policy"] = "rollout") -> Batch:
+        """Responses from the rollout pool (split placement) or the policy ranks (colocated, and
+        `pool="policy"`: validation, from the training weights)."""
+        group = self.rollout if pool == "rollout" and self.rollout is not None else self.policy
+        return group.call("generate", prompts, mode="dp", iteration=iteration, expected_version=expected_version,
+                          do_sample=do_sample)
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Split placement: the training pool's weights (at `version`) to the rollout pool, in buckets;
+        each rollout rank's version becomes `version` once all of it has arrived. Colocated: nothing to
+        do (the update refreshed the rollout copy itself)."""
+        if self.rollout is None:
+            return {}
+        from engine.workers.group import _gather
+
+        policy_version = self.version()
+        if policy_version != version:
+            raise VersionMismatchError(f"weight sync of version {version}: the training pool of run "
+                                       f"{self.spec.run_id!r} is at version {policy_version}")
+        mb = self.spec.sync_bucket_mb
+        refs = [a.send_weights.remote(mb) for a in self.policy.actors]
+        refs += [a.receive_weights.remote(version, mb) for a in self.rollout.actors]
+        results = _gather(refs, "weight sync", self.spec.timeout_s)
+        return dict(results[0])
 
     def compute_log_prob(self, batch: Batch, *, expected_version: int | None) -> Batch:
         return self.policy.call("compute_log_prob", batch, mode="dp", expected_version=expected_version)
@@ -171,6 +245,15 @@ class Engine:
         peft's adapter folder there and the merged weights at `merged_url` when given."""
         self.policy.call("export_hf", url, storage_options or {}, merged_url)
         return url
+
+    def drain_spans(self) -> dict[str, list[tuple[str, float, float]]]:
+        """{"<role>/<rank>": [(method, start, end), ...]}: every rank's traced calls since the last drain."""
+        found = {}
+        for role, group in (("policy", self.policy), ("critic", self.critic), ("rollout", self.rollout)):
+            if group is not None:
+                for rank, spans in enumerate(group.call("drain_spans", timeout_s=60.0)):
+                    found[f"{role}/{rank}"] = [tuple(s) for s in spans]
+        return found
 
     def weights_digest(self) -> str:
         return str(self.policy.call("weights_digest")[0])

@@ -31,6 +31,8 @@ class SamplingParams:
 class RolloutOutput:
     responses: torch.Tensor  # [B, T] token ids, pad after the end
     response_mask: torch.Tensor  # [B, T] 1 for generated tokens up to and including eos
+    logp: torch.Tensor  # [B, T] float32 log-prob of each token under the generating weights (logits /
+    #                     temperature, the distribution the update scores): the behaviour policy; 0 after the end
 
 
 class RolloutBackend(Protocol):
@@ -75,8 +77,9 @@ class HFRollout:
         """input_ids, attention_mask: [B, P] left padded. Returns [B, T] with T = max_new_tokens."""
         rows, length = input_ids.shape[0], params.max_new_tokens
         responses = input_ids.new_full((rows, length), self.pad_token_id)
+        logp = torch.zeros((rows, length), dtype=torch.float32, device=input_ids.device)
         if rows == 0:
-            return RolloutOutput(responses, torch.zeros_like(responses))
+            return RolloutOutput(responses, torch.zeros_like(responses), torch.zeros(responses.shape))
         generator = torch.Generator(device=input_ids.device).manual_seed(seed)
         stops = torch.tensor(self.stop_ids, dtype=input_ids.dtype, device=input_ids.device)
         cache = DynamicCache(config=self.model.config)
@@ -87,6 +90,7 @@ class HFRollout:
         for t in range(length):
             token = sample_next(logits, params, generator)  # [alive]
             responses[alive, t] = token
+            logp[alive, t] = torch.log_softmax(logits / params.temperature, dim=-1).gather(-1, token[:, None])[:, 0]
             ended = torch.isin(token, stops)
             if t == length - 1:
                 break
@@ -99,7 +103,8 @@ class HFRollout:
             position = position + 1
             mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=1)
             logits = self._last_logits(token[:, None], mask, position[:, None], cache)
-        return RolloutOutput(responses, response_mask_until_eos(responses, self.stop_ids))
+        response_mask = response_mask_until_eos(responses, self.stop_ids)
+        return RolloutOutput(responses, response_mask, logp * response_mask)
 
     def _last_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                      cache: DynamicCache) -> torch.Tensor:

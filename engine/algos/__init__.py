@@ -46,6 +46,7 @@ from engine.algos.masked import (
 from engine.algos.policy_loss import (
     POLICY_LOSSES,
     PolicyLossFn,
+    behavior_weights,
     get_policy_loss,
     gspo,
     ppo_clip,
@@ -67,6 +68,7 @@ __all__ = [
     "agg_loss",
     "agg_units",
     "apply_kl_penalty",
+    "behavior_weights",
     "clipped_value_loss",
     "dr_grpo",
     "entropy_from_logits",

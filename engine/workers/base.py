@@ -3,15 +3,32 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import socket
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from engine.errors import VersionMismatchError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def traced(fn: F) -> F:
+    """Record each call of a worker method as a span (method, start, end; wall-clock seconds) for the
+    run's timeline (`drain_spans`)."""
+    @functools.wraps(fn)
+    def call(self: RankWorker, *args: Any, **kwargs: Any) -> Any:
+        start = time.time()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self.spans.append((fn.__name__, start, time.time()))
+    return call  # type: ignore[return-value]
 
 
 class RankWorker:
@@ -28,6 +45,7 @@ class RankWorker:
         self.version = 0
         self.started = time.time()
         self.exit_mid_update = False  # a test fault (debug_fault)
+        self.spans: list[tuple[str, float, float]] = []  # traced calls not yet drained
         torch.set_num_threads(max(1, num_threads))
 
     # -- rendezvous ---------------------------------------------------------------------------------
@@ -61,6 +79,11 @@ class RankWorker:
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started, 1),
         }
+
+    def drain_spans(self) -> list[tuple[str, float, float]]:
+        """The spans of the traced calls since the last drain (then forgotten here)."""
+        spans, self.spans = self.spans, []
+        return spans
 
     def get_version(self) -> int:
         return self.version

@@ -14,7 +14,7 @@ from engine.config import CriticConfig
 from engine.models import dropout_left, load_value_model, packed_inputs, positions
 from engine.seeds import derive_seed
 from engine.workers import fsdp
-from engine.workers.base import RankWorker
+from engine.workers.base import RankWorker, traced
 
 
 class CriticSpec(BaseModel):
@@ -44,6 +44,7 @@ class CriticWorker(RankWorker):
         self.scheduler = fsdp.build_scheduler(self.optimizer, spec.critic, spec.total_iterations)
 
     @torch.no_grad()
+    @traced
     def compute_values(self, batch: Batch, *, expected_version: int | None) -> Batch:
         """`values` [B, T]: the value of the state before each response token."""
         self.check_version(expected_version)
@@ -57,6 +58,7 @@ class CriticWorker(RankWorker):
                 values[rows] = out
         return Batch({"values": values}, {})
 
+    @traced
     def update_critic(self, batch: Batch, *, iteration: int, expected_version: int | None) -> dict[str, float]:
         """Clipped value regression on `returns` (needs `values`, `returns`, `response_mask`)."""
         self.check_version(expected_version)
@@ -106,10 +108,12 @@ class CriticWorker(RankWorker):
         """The full value-model weights on rank 0 (empty on the others); every rank joins the gather."""
         return fsdp.full_state_dict_rank0(self.model)
 
+    @traced
     def save(self, url: str, storage_options: dict[str, Any]) -> list[dict[str, Any]]:
         extra = {"scheduler": self.scheduler.state_dict(), "rng": fsdp.rng_state(), "version": self.version}
         return fsdp.save_sharded(url, self.model, self.optimizer, extra, storage_options, trainable_only=self.lora)
 
+    @traced
     def load(self, url: str, storage_options: dict[str, Any], expected: dict[str, tuple[int, str]] | None = None
              ) -> int:
         extra = fsdp.load_sharded(url, self.model, self.optimizer, storage_options, expected,

@@ -27,7 +27,7 @@ from pydantic import BaseModel
 from torch import nn
 from transformers import DynamicCache
 
-from engine import algos, lora
+from engine import algos, lora, weight_sync
 from engine.batch import Batch
 from engine.config import ActorConfig, RefConfig, RolloutConfig
 from engine.models import (
@@ -42,7 +42,7 @@ from engine.models import (
 from engine.rollout import SamplingParams, make_rollout
 from engine.seeds import derive_seed
 from engine.workers import fsdp
-from engine.workers.base import RankWorker
+from engine.workers.base import RankWorker, traced
 
 
 class PolicySpec(BaseModel):
@@ -64,6 +64,8 @@ class PolicyWorker(RankWorker):
     def __init__(self, *, spec: dict[str, Any], **identity: Any) -> None:
         super().__init__(**identity)
         self.spec = PolicySpec.model_validate(spec)
+        self._is_weight_max = 0.0
+        self.sync_group: weight_sync.SyncGroup | None = None  # placement.mode=split: rank 0 sends to the rollout pool
 
     def setup(self) -> None:
         """Load the three models; called on every rank after torch.distributed is up."""
@@ -94,27 +96,14 @@ class PolicyWorker(RankWorker):
         self.rollout = make_rollout(spec.rollout.name, generator, int(self.tokenizer.pad_token_id), stops)
 
     # -- generation ---------------------------------------------------------------------------------
+    @traced
     def generate(self, prompts: Batch, *, iteration: int, expected_version: int | None, do_sample: bool = True
                  ) -> Batch:
         """prompts: `input_ids`, `attention_mask` [B, P] left padded -> the batch with the response columns."""
         self.check_version(expected_version)
-        cfg = self.spec.rollout
-        params = SamplingParams(cfg.max_new_tokens, do_sample, cfg.temperature, cfg.top_p, cfg.top_k)
-        stage = "rollout" if do_sample else "rollout_greedy"
-        outs = []
         with self._generating():
-            for i, micro in enumerate(prompts.chunks(cfg.micro_batch_size) if len(prompts) else []):
-                seed = derive_seed(self.spec.seed, iteration, f"{stage}/{i}", self.rank)
-                outs.append(self.rollout.generate(micro["input_ids"], micro["attention_mask"], params, seed))
-        responses = torch.cat([o.responses for o in outs])  # [B, T]
-        response_mask = torch.cat([o.response_mask for o in outs])  # [B, T]
-        return prompts.with_tensors(
-            prompt_ids=prompts["input_ids"],
-            input_ids=torch.cat([prompts["input_ids"], responses], dim=1),  # [B, P+T]
-            attention_mask=torch.cat([prompts["attention_mask"], response_mask], dim=1),  # [B, P+T]
-            responses=responses,
-            response_mask=response_mask,
-        )
+            return generate_batch(self.rollout, prompts, self.spec.rollout, seed=self.spec.seed, iteration=iteration,
+                                  rank=self.rank, do_sample=do_sample, version=self.version)
 
     @contextmanager
     def _generating(self) -> Iterator[None]:
@@ -130,6 +119,7 @@ class PolicyWorker(RankWorker):
 
     # -- log-probs ---------------------------------------------------------------------------------
     @torch.no_grad()
+    @traced
     def compute_log_prob(self, batch: Batch, *, expected_version: int | None) -> Batch:
         """Old log-probs and entropy of the responses under the actor: `old_logp`, `entropy` [B, T]."""
         self.check_version(expected_version)
@@ -139,6 +129,7 @@ class PolicyWorker(RankWorker):
         return Batch({"old_logp": logp, "entropy": entropy}, {})
 
     @torch.no_grad()
+    @traced
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """`ref_logp` [B, T] under the frozen reference policy: the reference model, or with LoRA the actor
         with its adapters off (the base model, in the same weights: no second copy)."""
@@ -185,12 +176,14 @@ class PolicyWorker(RankWorker):
         return logp, ent
 
     # -- update ------------------------------------------------------------------------------------
+    @traced
     def update_actor(self, batch: Batch, *, iteration: int, expected_version: int | None) -> dict[str, float]:
         """PPO epochs over mini-batches with gradient accumulation; the version becomes `iteration`."""
         self.check_version(expected_version)
         gen = torch.Generator().manual_seed(derive_seed(self.spec.seed, iteration, "update_actor", self.rank))
         self.actor.train()
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this update's optimizer steps use
+        self._is_weight_max = 0.0
         local = fsdp.train_epochs(batch, model=self.actor, optimizer=self.optimizer, cfg=self.spec.actor,
                                   loss_agg_mode=self.spec.actor.loss_agg_mode, generator=gen,
                                   micro_loss=self._micro_loss, grad_norm_key="actor/grad_norm",
@@ -199,7 +192,10 @@ class PolicyWorker(RankWorker):
         self.scheduler.step()
         self.version = iteration
         local["actor/lr"] = torch.tensor(lr)
-        return fsdp.all_reduce_mean(local)
+        metrics = fsdp.all_reduce_mean(local)
+        if "rollout_logp" in batch:  # the largest weight before truncation, over every token of every rank
+            metrics["async/is_weight_max"] = fsdp.global_max(self._is_weight_max)
+        return metrics
 
     def gradients(self, batch: Batch, *, micro_batch_size: int | None = None, loss_agg_mode: str | None = None,
                   max_tokens_per_micro_batch: int | None = None) -> dict[str, torch.Tensor]:
@@ -232,10 +228,18 @@ class PolicyWorker(RankWorker):
         logits = response_logits(self.actor, micro, self.spec.rollout.temperature, cfg.forward_layout)  # [b, T, V]
         logp = algos.logprobs_from_logits(logits, micro["responses"])
         policy_loss = algos.get_policy_loss(cfg.policy_loss)
+        # No old_logp column: the stages skipped that pass because this update is one optimizer step
+        # from the weights before it (ActorConfig.reuses_update_logp): old = current, detached.
+        old_logp = micro["old_logp"] if "old_logp" in micro else logp.detach()
+        adv = micro["adv"]
+        is_stats: dict[str, torch.Tensor] = {}
+        if "rollout_logp" in micro:  # a stale rollout (trainer.max_staleness > 0): decoupled PPO
+            weights, is_stats = algos.behavior_weights(old_logp=old_logp, behavior_logp=micro["rollout_logp"],
+                                                       response_mask=mask, cap=cfg.behavior_is_cap)
+            self._is_weight_max = max(self._is_weight_max, float(is_stats.pop("is_weight_max")))
+            adv = adv * weights  # = weights x the clipped surrogate (algos.behavior_weights)
         pg_loss, pg_stats = policy_loss(
-            # No old_logp column: the stages skipped that pass because this update is one optimizer
-            # step from the generating weights (ActorConfig.reuses_update_logp): old = current.
-            logp=logp, old_logp=micro["old_logp"] if "old_logp" in micro else logp.detach(), adv=micro["adv"],
+            logp=logp, old_logp=old_logp, adv=adv,
             response_mask=mask,
             clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c,
             loss_agg_mode=cfg.loss_agg_mode, max_response_length=length,
@@ -245,7 +249,8 @@ class PolicyWorker(RankWorker):
                                      loss_agg_mode=cfg.loss_agg_mode, max_response_length=length)
         loss = pg_loss - cfg.entropy_coeff * entropy if cfg.entropy_coeff > 0 else pg_loss
         stats = {"actor/pg_loss": pg_loss.detach(), "actor/entropy": entropy.detach(),
-                 **{f"actor/{k}": v.detach() for k, v in pg_stats.items()}}
+                 **{f"actor/{k}": v.detach() for k, v in pg_stats.items()},
+                 **{f"async/{k}": v.detach() for k, v in is_stats.items()}}
         if cfg.use_kl_loss:
             kl, _ = algos.kl_loss(logp=logp, ref_logp=micro["ref_logp"], response_mask=mask,
                                   estimator=cfg.kl_loss_type, loss_agg_mode=cfg.loss_agg_mode,
@@ -269,6 +274,30 @@ class PolicyWorker(RankWorker):
             self.rollout.load_weights(state, partial=self.peft is not None)
         return {"timing_s/weight_sync": time.perf_counter() - start, "perf/weight_sync_mb": sent / 2**20}
 
+    def join_sync_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
+        """placement.mode=split: rank 0 joins the group spanning it and the rollout ranks, as their sender."""
+        if self.rank == 0:
+            self.sync_group = weight_sync.join_sync_group(host, port, 0, world_size, timeout_s)
+
+    @traced
+    def send_weights(self, bucket_mb: float) -> dict[str, float]:
+        """The actor's full weights (LoRA: the adapters) to the rollout pool: every rank joins the gather,
+        rank 0 broadcasts them in buckets over the sync group (the rollout ranks call `receive_weights`)."""
+        start = time.perf_counter()
+        state = fsdp.full_state_dict(self.actor, trainable_only=self.peft is not None)
+        for name in weight_sync.tied_duplicates(self.actor):
+            state.pop(name, None)
+        gathered = time.perf_counter() - start
+        if self.rank != 0:
+            return {}
+        if self.sync_group is None:
+            raise RuntimeError("send_weights: this engine has no rollout pool (placement.mode=colocated)")
+        sent = weight_sync.send(self.sync_group, state, int(bucket_mb * 2**20))
+        seconds = time.perf_counter() - start
+        return {"timing_s/weight_sync": seconds, "perf/weight_sync_mb": sent / 2**20,
+                "perf/weight_sync_mb_per_s": sent / 2**20 / seconds, "timing_s/weight_sync_gather": gathered}
+
+    @traced
     def save(self, url: str, storage_options: dict[str, Any]) -> list[dict[str, Any]]:
         """Sharded state into `url` (with LoRA: the adapters and their optimizer state, not the frozen
         base); the files this rank wrote, with the sha256 taken while writing."""
@@ -276,6 +305,7 @@ class PolicyWorker(RankWorker):
         return fsdp.save_sharded(url, self.actor, self.optimizer, extra, storage_options,
                                  trainable_only=self.peft is not None)
 
+    @traced
     def load(self, url: str, storage_options: dict[str, Any], expected: dict[str, tuple[int, str]] | None = None
              ) -> int:
         """Restore actor, optimizer, scheduler and RNG from `url` (each file verified against `expected`
@@ -362,6 +392,31 @@ class PolicyWorker(RankWorker):
             digest.update(key.encode())
             digest.update(value.detach().contiguous().view(torch.uint8).numpy().tobytes())
         return digest.hexdigest()
+
+
+def generate_batch(rollout: Any, prompts: Batch, cfg: RolloutConfig, *, seed: int, iteration: int, rank: int,
+                   do_sample: bool, version: int) -> Batch:
+    """Responses to `prompts` in micro-batches of cfg.micro_batch_size, each sampled with a seed derived
+    from (run seed, iteration, stage, micro-batch, rank). Adds `prompt_ids`, `responses`, `response_mask`,
+    the full `input_ids` / `attention_mask` [B, P+T], the behaviour log-probs `rollout_logp` [B, T] and
+    `rollout_version` [B] (the weights' version)."""
+    params = SamplingParams(cfg.max_new_tokens, do_sample, cfg.temperature, cfg.top_p, cfg.top_k)
+    stage = "rollout" if do_sample else "rollout_greedy"
+    outs = []
+    for i, micro in enumerate(prompts.chunks(cfg.micro_batch_size) if len(prompts) else []):
+        micro_seed = derive_seed(seed, iteration, f"{stage}/{i}", rank)
+        outs.append(rollout.generate(micro["input_ids"], micro["attention_mask"], params, micro_seed))
+    responses = torch.cat([o.responses for o in outs])  # [B, T]
+    response_mask = torch.cat([o.response_mask for o in outs])  # [B, T]
+    return prompts.with_tensors(
+        prompt_ids=prompts["input_ids"],
+        input_ids=torch.cat([prompts["input_ids"], responses], dim=1),  # [B, P+T]
+        attention_mask=torch.cat([prompts["attention_mask"], response_mask], dim=1),  # [B, P+T]
+        responses=responses,
+        response_mask=response_mask,
+        rollout_logp=torch.cat([o.logp for o in outs]),  # [B, T]
+        rollout_version=torch.full((len(prompts),), version, dtype=torch.long),  # [B]
+    )
 
 
 def _upload(folder: str, url: str, storage_options: dict[str, Any]) -> None:
