@@ -26,7 +26,8 @@ def stages_for(cfg: RLConfig) -> list[StageSpec]:
     """The stage list of one iteration for this config, wired and checked."""
     spec = get_adv_estimator(cfg.algorithm.adv_estimator)
     stages = [StageSpec(name="generate_rollouts", task="generate_rollouts", reads=(), engine=True, buffer="rollout",
-                        writes=(*PROMPT_COLUMNS, "prompt_ids", "responses", "response_mask", "response_text"))]
+                        writes=(*PROMPT_COLUMNS, "prompt_ids", "responses", "response_mask", "response_text",
+                                "rollout_logp", "rollout_version"))]
     if spec.needs_baseline:  # ReMax: one greedy response per prompt, repeated over its group
         stages.append(StageSpec(name="generate_baseline", task="generate_baseline", reads=(), engine=True,
                                 buffer="baseline", writes=("baseline_responses", "baseline_response_mask",
@@ -55,8 +56,9 @@ def stages_for(cfg: RLConfig) -> list[StageSpec]:
         stages.append(StageSpec(name="compute_values", task="compute_values", reads=SEQUENCES, writes=("values",),
                                 buffer="values", engine=True))
     # The advantage buffer holds everything the updates read, so a replay needs it alone.
+    stale = cfg.trainer.max_staleness > 0  # the update corrects by the rollout's own log-probs
     carried = [c for c, on in (("old_logp", cfg.needs_old_logp), ("ref_logp", cfg.needs_ref),
-                               ("values", cfg.critic.enable)) if on]
+                               ("values", cfg.critic.enable), ("rollout_logp", stale)) if on]
     adv_reads = [*SEQUENCES, "row_index", "group_id", "token_scores", *carried, *extra_scores]
     if spec.needs_baseline:
         adv_reads.append("baseline_score")
@@ -67,9 +69,11 @@ def stages_for(cfg: RLConfig) -> list[StageSpec]:
         stages.append(StageSpec(name="update_critic", task="update_critic", engine=True, writes=(),
                                 reads=(*SEQUENCES, "values", "returns")))
     actor_reads = [*SEQUENCES, "adv", *(["old_logp"] if cfg.needs_old_logp else []),
-                   *(["ref_logp"] if cfg.actor.use_kl_loss else [])]
+                   *(["ref_logp"] if cfg.actor.use_kl_loss else []), *(["rollout_logp"] if stale else [])]
     stages.append(StageSpec(name="update_policy", task="update_policy", engine=True, writes=(),
                             reads=tuple(actor_reads)))
+    if cfg.placement.mode == "split":  # the new weights to the rollout pool
+        stages.append(StageSpec(name="sync_weights", task="sync_weights", engine=True, reads=(), writes=()))
     return wire(stages)
 
 

@@ -22,6 +22,7 @@ from engine.config import (
     CriticConfig,
     DataConfig,
     ModelConfig,
+    PlacementConfig,
     RefConfig,
     RewardConfig,
     RolloutConfig,
@@ -45,7 +46,11 @@ class TrainerConfig(Section):
     iterations_per_run: int | None = Field(None, gt=0, description="a scheduled run does this many")
     save_every: int = Field(10, gt=0)
     val_every: int = Field(5, ge=0, description="0: no validation")
-    world_size: int = Field(2, gt=0, description="policy ranks (processes)")
+    world_size: int = Field(2, gt=0, description="policy ranks (processes); with placement.mode=split, the "
+                            "training pool's")
+    max_staleness: int = Field(0, ge=0, description="k: the rollout of iteration i generates with the weights of "
+                               "version i-1-k (0: on-policy). k >= 1 needs placement.mode=split, and the rollout "
+                               "of i+1 runs while i updates; the update corrects the gap (actor.behavior_is_cap)")
     device: str = Field("cpu", pattern=r"^(cpu|cuda|auto)$")
     seed: int = Field(0, ge=0)
     export_at_end: bool = True
@@ -100,6 +105,7 @@ class RLConfig(BaseModel):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     debug: FaultConfig = Field(default_factory=FaultConfig)
 
@@ -135,6 +141,13 @@ class RLConfig(BaseModel):
                          "fine-tuning export is the full weights already)")
         if self.critic.lora.enabled and not self.critic.enable:
             raise _cross("critic.lora.rank", self.critic.lora.rank, "needs critic.enable=true")
+        k = self.trainer.max_staleness
+        if k and self.placement.mode != "split":
+            raise _cross("trainer.max_staleness", k, "needs placement.mode=split: colocated ranks generate and "
+                         "train in turn, so a rollout cannot run while an update does")
+        if k and self.algorithm.kl_ctrl == "adaptive":
+            raise _cross("trainer.max_staleness", k, "cannot be combined with algorithm.kl_ctrl=adaptive (the "
+                         "coefficient of iteration i comes from i-1, which is still running); use fixed")
         if spec.needs_values and not self.critic.enable:
             raise _cross(
                 "algorithm.adv_estimator",
@@ -172,7 +185,7 @@ class RLConfig(BaseModel):
         return hashlib.sha256(blob).hexdigest()
 
 
-_SEMANTIC_TRAINER_KEYS = ("total_iterations", "world_size", "device", "seed")
+_SEMANTIC_TRAINER_KEYS = ("total_iterations", "world_size", "device", "seed", "max_staleness")
 
 
 class _CrossSectionError(ValueError):

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from engine.config import RewardConfig
 from engine.data import PromptDataset, load_train_val
-from engine.engine import EngineSpec
+from engine.engine import EngineSpec, check_fits
 from engine.errors import ConfigError, RewardError
 from engine.models import (
     cache_dir,
@@ -139,6 +141,8 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
         raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} is larger than the training set "
                           f"({len(train)} prompts after filtering): lower it or add data")
     engine = engine_spec(cfg, run_id, model_path, tokenizer_path)
+    if ray.is_initialized():  # the CLI checks again once the stack is up; a flow run has Ray
+        check_fits(engine, ray.cluster_resources())
     check_lora(cfg, model_path)
     identity = model_identity(model_path)
     if resume:
@@ -237,7 +241,7 @@ def open_run(cfg: RLConfig, run_id: str, *, resume: bool, parent: dict[str, Any]
         tokenizer_path=inputs.tokenizer_path, train_files=list(train.sources),
         val_files=list(val.sources) if val is not None else [],
         engine=inputs.engine, data=cfg.data, rollout=cfg.rollout,
-        algorithm=cfg.algorithm, reward=cfg.reward, stages=stages_for(cfg),
+        algorithm=cfg.algorithm, reward=cfg.reward, stages=stages_for(cfg), max_staleness=cfg.trainer.max_staleness,
         # An absolute root: the stages run in Ray workers whose working directory is not this one.
         storage=cfg.storage.model_copy(update={"access_key_id": None, "secret_access_key": None,
                                                "root": inputs.store.url()}),
@@ -252,7 +256,9 @@ def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str
     if device != "cpu":
         raise ConfigError(f"trainer.device={cfg.trainer.device!r} is not allowed yet: it means {device}, and "
                           "the GPU path is not built and tested; use cpu")
-    threads = max(1, (os.cpu_count() or 1) // cfg.trainer.world_size)
+    place = cfg.placement
+    rollout_ranks = place.rollout_ranks if place.mode == "split" else 0
+    threads = place.cpus_per_rank or max(1, (os.cpu_count() or 1) // (cfg.trainer.world_size + rollout_ranks))
     policy = PolicySpec(
         model_path=model_path, tokenizer_path=tokenizer_path, dtype=cfg.model.dtype,
         trust_remote_code=cfg.model.trust_remote_code, rollout=cfg.rollout, actor=cfg.actor, ref=cfg.ref,
@@ -269,7 +275,8 @@ def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str
     return EngineSpec(
         run_id=run_id, config_hash=cfg.config_hash(), world_size=cfg.trainer.world_size,
         num_cpus_per_rank=float(threads), placement=cfg.ray.placement, namespace=cfg.ray.namespace,
-        timeout_s=cfg.trainer.stage_timeout_s, policy=policy, critic=critic,
+        timeout_s=cfg.trainer.stage_timeout_s, policy=policy, critic=critic, rollout_ranks=rollout_ranks,
+        rollout_num_cpus_per_rank=float(threads), sync_bucket_mb=place.sync_bucket_mb,
     )
 
 

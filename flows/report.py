@@ -49,7 +49,7 @@ class Progress:
 
 
 def summary(run_id: str, history: list[dict[str, Any]], checkpoints: list[tuple[int, str]],
-            export_url: str | None) -> str:
+            export_url: str | None, timeline_url: str | None = None) -> str:
     """Markdown: charts of reward, validation score, response length, KL, entropy and step time, the
     first and last values, the last metrics, the committed checkpoints."""
     trained = [m for m in history if "critic/score/mean" in m]
@@ -68,10 +68,16 @@ def summary(run_id: str, history: list[dict[str, Any]], checkpoints: list[tuple[
     lines += [f"- step {step}: `{url}`" for step, url in checkpoints] or ["- none"]
     if export_url:
         lines += ["", f"Hugging Face export: `{export_url}`"]
+    if timeline_url:
+        lines += ["", f"Timeline of every stage and rank (open in https://ui.perfetto.dev): `{timeline_url}`"]
     return "\n".join(lines) + "\n"
 
 
-def publish_summary(run_id: str, markdown: str, checkpoints: list[tuple[int, str]]) -> None:
+def publish_summary(run_id: str, markdown: str, checkpoints: list[tuple[int, str]],
+                    timeline_url: str | None = None) -> None:
     create_markdown_artifact(markdown, key=artifact_key(run_id, "summary"), description=f"{run_id}: summary")
+    if timeline_url:
+        create_link_artifact(timeline_url, link_text="timeline (Chrome/Perfetto trace)",
+                             key=artifact_key(run_id, "timeline"))
     for step, url in checkpoints[-3:]:
         create_link_artifact(url, link_text=f"checkpoint step {step}", key=artifact_key(run_id, f"ckpt-{step}"))

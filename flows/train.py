@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,7 @@ from engine.advantage import make_kl_controller
 from engine.checkpoint_io import CheckpointCorruptError
 from engine.engine import Engine
 from engine.errors import EngineDeadError, VersionMismatchError
-from flows import progress, report
+from flows import pipeline, progress, report, trace
 from flows.config import RLConfig
 from flows.loggers import MetricLoggers, require_packages, run_log_dir
 from flows.plan import OpenRun, open_run, resolve_config
@@ -62,34 +63,75 @@ def stage_options() -> Any:
 @flow(name="rl-iteration", flow_run_name="iter-{iteration:06d}", persist_result=True, task_runner=StageTaskRunner())
 def rl_iteration(plan: RunPlan, iteration: int, kl_coef: float) -> dict[str, float]:
     """One RL iteration: the declared stages (flows/algorithms.py), each a task on Ray whose inputs are
-    the stages that wrote what it reads; returns the iteration's metrics."""
+    the stages that wrote what it reads; returns the iteration's metrics. Under the asynchronous
+    schedule (flows/pipeline.py) it waits before its first training stage and before its weight sync,
+    and a prefetch (an iteration past the flow run's last) ends before its training stages."""
     start = time.perf_counter()
+    schedule = pipeline.schedule_of(plan.run_id)
     futures: dict[str, Any] = {}
+    training = prefetch = False
     with stage_options():
         for stage in plan.stages:
+            if schedule is not None:
+                if stage.engine and stage.task not in ROLLOUT_TASKS and not training:
+                    training = True
+                    if not schedule.before_training(iteration):
+                        prefetch = True
+                        break
+                if stage.task == "sync_weights":
+                    schedule.before_sync(iteration)
             inputs = {source: futures[source] for source in stage.inputs}
             futures[stage.name] = task_for(stage).submit(plan, iteration, stage, inputs, kl_coef,
                                                          wait_for=[futures[a] for a in stage.after])
+            if schedule is not None and stage.task == "generate_rollouts":
+                _on_rollout_end(schedule, iteration, futures[stage.name])
             if plan.debug.kill_flow_after == stage.name:
                 futures[stage.name].result()
                 maybe_kill_flow(context(plan), stage.name, iteration)
         results = {name: f.result() for name, f in futures.items()}
     # A stage is reused when Prefect returned its cached result, or it found its complete buffer.
     reused = sorted(n for n, f in futures.items() if f.state.name == "Cached" or results[n].reused)
+    spans = trace.spans_of(plan.run_id)
+    for name, result in results.items():
+        if name not in reused and result.span is not None:
+            spans.add(iteration, name, *result.span)
     if reused:
         get_run_logger().info("iteration %d: reused %s (no regeneration)", iteration, ", ".join(reused))
+    if prefetch:
+        get_run_logger().info("iteration %d: rollout prefetched for the next flow run (stages %s)", iteration,
+                              ", ".join(futures))
+        return {PREFETCH: 1.0}
     metrics: dict[str, float] = {}
     for result in results.values():
         metrics.update(result.metrics)
     step_s = time.perf_counter() - start
     metrics["timing_s/step"] = step_s
-    compute = sum(metrics.get(k, 0.0) for k in _COMPUTE) if not reused else step_s
-    metrics["perf/orchestration_s"] = max(0.0, step_s - compute)
-    metrics["perf/time_per_step"] = step_s
-    metrics["perf/throughput"] = metrics.get("perf/total_num_tokens", 0.0) / step_s
+    if schedule is None:  # under the asynchronous schedule a step overlaps others: see run_iteration
+        compute = sum(metrics.get(k, 0.0) for k in _COMPUTE) if not reused else step_s
+        metrics["perf/orchestration_s"] = max(0.0, step_s - compute)
+        metrics["perf/time_per_step"] = step_s
+        metrics["perf/throughput"] = metrics.get("perf/total_num_tokens", 0.0) / step_s
     metrics["stages/reused"] = float(len(reused))
     report.iteration_table(plan.run_id, iteration, {**metrics, "actor/kl_coef": kl_coef})
     return metrics
+
+
+ROLLOUT_TASKS = ("generate_rollouts", "generate_baseline")  # the stages that use the rollout pool
+PREFETCH = "stages/prefetch_only"
+
+
+def _on_rollout_end(schedule: pipeline.Schedule, iteration: int, future: Any) -> None:
+    """Tell the schedule when the rollout stage of `iteration` has ended: done, or failed (which aborts
+    the schedule: a weight sync waiting for this rollout must not wait forever)."""
+    def watch() -> None:
+        future.wait()
+        if future.state.is_completed():
+            schedule.rollout_ended(iteration)
+        else:
+            schedule.fail(iteration, RuntimeError(f"the rollout of iteration {iteration} failed: "
+                                                  f"{future.state.message}"))
+
+    threading.Thread(target=watch, name=f"rlflow-rollout-{iteration}", daemon=True).start()
 
 
 @dataclass
@@ -101,6 +143,7 @@ class Trainer:
     loggers: Any
     history: list[dict[str, Any]] = field(default_factory=list)
     stop_requested: bool = False
+    last_commit: float | None = None  # perf_counter of the last iteration's commit (asynchronous steps)
     _subflow_settings: tuple[Any, Any] | None = None  # (the run's settings, the subflows' copy)
 
     def subflow_settings(self) -> SettingsContext:
@@ -146,25 +189,33 @@ def train(config_path: str | None = None, overrides: list[str] | None = None, re
         if first == 1 and cfg.trainer.val_every and not run.runs.finished_iterations():
             _validate_before(trainer)
         progress = report.Progress(run_id, first, last)
+
+        def committed(iteration: int) -> None:
+            try:
+                progress.update(iteration)
+            except Exception as err:  # the artifact is a UI nicety: an API restart must not end the run
+                if not _api_unreachable(err):
+                    raise
+                log.warning("iteration %d: progress artifact not updated (Prefect API unreachable)", iteration)
+
         with _graceful_stop(trainer):
-            for iteration in range(first, last + 1):
-                engine = run_with_restarts(trainer, engine, iteration)
-                try:
-                    progress.update(iteration)
-                except Exception as err:  # the artifact is a UI nicety: an API restart must not end the run
-                    if not _api_unreachable(err):
-                        raise
-                    log.warning("iteration %d: progress artifact not updated (Prefect API unreachable)", iteration)
-                if trainer.stop_requested:
-                    logger.warning("stop requested: committing iteration %d and stopping", iteration)
-                    break
+            if cfg.trainer.max_staleness:
+                engine = run_async(trainer, engine, last, committed)
+            else:
+                for iteration in range(first, last + 1):
+                    engine = run_with_restarts(trainer, engine, iteration)
+                    committed(iteration)
+                    if trainer.stop_requested:
+                        logger.warning("stop requested: committing iteration %d and stopping", iteration)
+                        break
         finished = run.runs.last_finished_iteration() or 0
         _checkpoint(trainer, finished, force=True)
         export = _export(trainer, engine, finished) if cfg.trainer.export_at_end and not trainer.stop_requested else None
         checkpoints = [(s, run.store.url(f"{run_id}/checkpoints/step_{s:06d}"))
                        for s in trainer_checkpoints(trainer)]
-        report.publish_summary(run_id, report.summary(run_id, run.runs.read_metrics(), checkpoints, export),
-                               checkpoints)
+        timeline = _write_timeline(trainer, engine)
+        report.publish_summary(run_id, report.summary(run_id, run.runs.read_metrics(), checkpoints, export, timeline),
+                               checkpoints, timeline)
         if not cfg.trainer.keep_engine:
             engine.stop()
         return {"run_id": run_id, "finished_iteration": finished, "export": export,
@@ -172,6 +223,53 @@ def train(config_path: str | None = None, overrides: list[str] | None = None, re
     finally:
         loggers.close()
         run.lease.release()
+
+
+def run_async(trainer: Trainer, engine: Engine, last: int, committed: Any) -> Engine:
+    """Iterations up to `last` under the asynchronous schedule (flows/pipeline.py). When one fails on the
+    engine (a dead rank, a wrong version), the others are aborted, the engine is restarted, restored and
+    replayed, and the schedule runs again from the last committed iteration, reusing finished stages."""
+    cfg = trainer.cfg
+    restarts = api_outages = 0
+    while True:
+        first = (trainer.run.runs.last_finished_iteration() or 0) + 1
+        schedule = pipeline.Schedule(trainer.plan.run_id, cfg.trainer.max_staleness, first, last,
+                                     cfg.trainer.total_iterations)
+
+        def failed(err: BaseException, live: Engine = engine) -> None:
+            if isinstance(err, (EngineDeadError, VersionMismatchError)):
+                live.stop()  # frees the iterations blocked on it (a sync waiting for a dead peer)
+
+        try:
+            pipeline.run_schedule(schedule, lambda i: run_iteration(trainer, i), committed,
+                                  lambda: trainer.stop_requested, failed)
+            return engine
+        except (EngineDeadError, VersionMismatchError) as err:
+            if restarts == cfg.trainer.max_engine_restarts:
+                raise
+            restarts += 1
+            get_run_logger().warning("iteration %d: the engine failed (%s); restart %d of %d", first,
+                                     str(err).splitlines()[0], restarts, cfg.trainer.max_engine_restarts)
+            engine.stop()
+            engine, _ = reconcile(trainer)
+        except Exception as err:
+            if not _api_unreachable(err) or api_outages == _API_OUTAGES:
+                raise
+            api_outages += 1
+            log.warning("the Prefect API is unreachable (%s); waiting for it, then running the schedule again",
+                        type(err).__name__)
+            _wait_for_api(_API_WAIT_S)
+
+
+def _write_timeline(trainer: Trainer, engine: Engine) -> str | None:
+    """trace/timeline.json with this flow run's stage spans and the ranks' calls; None if it failed (the
+    timeline is for people: it never fails a run)."""
+    try:
+        return trace.write_timeline(trainer.run.store, trainer.plan.run_id, trace.spans_of(trainer.plan.run_id),
+                                    engine.drain_spans())
+    except Exception as err:  # noqa: BLE001
+        log.warning("the run's timeline was not written: %s", err)
+        return None
 
 
 def run_with_restarts(trainer: Trainer, engine: Engine, iteration: int) -> Engine:
@@ -237,23 +335,35 @@ def _wait_for_api(timeout_s: float) -> None:
     raise RuntimeError(f"the Prefect API at {url} did not come back within {timeout_s:.0f} s")
 
 
-def run_iteration(trainer: Trainer, iteration: int) -> dict[str, float]:
-    """Iteration k, then its validation, then its metrics line (the commit), then its checkpoint."""
+def run_iteration(trainer: Trainer, iteration: int) -> dict[str, float] | None:
+    """Iteration k, then its validation, then its metrics line (the commit), then its checkpoint. None
+    when the asynchronous schedule ran it as a prefetch (its rollout only)."""
     cfg, plan = trainer.cfg, trainer.plan
     started = time.perf_counter()
     # No heartbeat thread for the per-iteration subflow (the run's flow keeps its own): Prefect joins it at
     # the subflow's end, and it sleeps in 1 s steps, so every iteration waited ~0.5 s for it.
     with trainer.subflow_settings():
         metrics = rl_iteration(plan, iteration, trainer.kl.value)
+    if metrics.get(PREFETCH):
+        return None
     metrics["actor/kl_coef"] = trainer.kl.value
     if "actor/reward_kl_penalty" in metrics:
         trainer.kl.update(metrics["actor/reward_kl_penalty"], n_steps=cfg.data.train_batch_size * cfg.rollout.n)
     if cfg.trainer.val_every and iteration % cfg.trainer.val_every == 0:
         with stage_options():
-            metrics.update(validate.submit(plan, iteration).result().metrics)
+            result = validate.submit(plan, iteration).result()
+        metrics.update(result.metrics)
+        if result.span is not None:
+            trace.spans_of(plan.run_id).add(iteration, "validate", *result.span)
     # The whole iteration as the user waits for it: the subflow, its stages, validation (timing_s/step
     # is the subflow's own stages only).
-    metrics["timing_s/iteration"] = time.perf_counter() - started
+    now = time.perf_counter()
+    metrics["timing_s/iteration"] = now - started
+    if cfg.trainer.max_staleness:  # iterations overlap: a step is the time between two commits
+        if trainer.last_commit is not None:
+            metrics["perf/time_per_step"] = now - trainer.last_commit
+            metrics["perf/throughput"] = metrics.get("perf/total_num_tokens", 0.0) / metrics["perf/time_per_step"]
+        trainer.last_commit = now
     trainer.run.runs.write_metrics(iteration, metrics)
     trainer.loggers.log(iteration, metrics)
     progress.notify(iteration, metrics)
@@ -261,7 +371,8 @@ def run_iteration(trainer: Trainer, iteration: int) -> dict[str, float]:
         "iter %d: reward %.3f%s  length %.1f  step %.1f s  (orchestration %.2f s)", iteration,
         metrics.get("critic/score/mean", float("nan")),
         f"  val {metrics['val/score/mean']:.3f}" if "val/score/mean" in metrics else "",
-        metrics.get("response_length/mean", float("nan")), metrics["timing_s/step"], metrics["perf/orchestration_s"],
+        metrics.get("response_length/mean", float("nan")), metrics["timing_s/step"],
+        metrics.get("perf/orchestration_s", float("nan")),
         extra={"console": False})
     if iteration % cfg.trainer.save_every == 0:
         _checkpoint(trainer, iteration)
@@ -292,6 +403,8 @@ def reconcile(trainer: Trainer) -> tuple[Engine, int]:
         logger.info("restored checkpoint step %d", step)
     for iteration in range(1 + (step or 0), finished + 1):
         replay(trainer, iteration)
+    if engine.rollout is not None:  # the rollout pool gets the weights of the last committed iteration
+        engine.sync_weights(finished)
     return engine, finished + 1
 
 
@@ -338,6 +451,8 @@ def _checkpoint(trainer: Trainer, iteration: int, force: bool = False) -> None:
         return
     with stage_options():
         saved = save_checkpoint.submit(trainer.plan, iteration, trainer.trainer_state(iteration)).result()
+    if saved.span is not None:
+        trace.spans_of(trainer.plan.run_id).add(iteration, "save_checkpoint", *saved.span)
     if not saved.reused:  # after the iteration's metrics (its end): the save is in the log
         get_run_logger().info("checkpoint step %d committed: %.2f MB in %.2f s", iteration,
                               saved.metrics["checkpoint/mb"], saved.metrics["timing_s/save_checkpoint"])

@@ -46,6 +46,7 @@ class RunPlan(BaseModel):
     reward: RewardConfig
     storage: StorageConfig
     stages: list[StageSpec]  # the iteration's declared graph (flows.algorithms.stages_for)
+    max_staleness: int = 0  # trainer.max_staleness: the rollout of iteration i uses version max(0, i-1-k)
     debug: FaultConfig = FaultConfig()
 
 
@@ -88,6 +89,10 @@ class StageContext:
         sampler = PromptSampler(len(self.dataset("train")), data.train_batch_size, data.seed, data.shuffle)
         sampler.seek(steps)
         return sampler
+
+    def rollout_version(self, iteration: int) -> int:
+        """The weights' version the rollout of `iteration` generates with, fixed by the schedule."""
+        return max(0, iteration - 1 - self.plan.max_staleness)
 
     def prompt_batch(self, iteration: int) -> Batch:
         """Iteration k's prompts (the sampler's step k-1), each repeated rollout.n times in a group."""

@@ -11,6 +11,7 @@ Two layers make a retried or resumed iteration skip finished work:
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from typing import Any
@@ -46,6 +47,7 @@ class StageResult(BaseModel):
     ref: BufferRef | None = None
     metrics: dict[str, float] = {}
     reused: bool = False
+    span: tuple[float, float] | None = None  # wall-clock start and end of the work (None: reused)
 
 
 def stage_cache_key(ctx: TaskRunContext, params: dict[str, Any]) -> str:
@@ -71,6 +73,14 @@ def stage_task(name: str, cache: bool = True) -> Any:
     """The decorator every stage shares: retries with backoff, a timeout, persisted cached results.
     Stages of the iteration graph are registered in TASKS under `name` (StageSpec.task)."""
     def wrap(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.time()
+            result = fn(*args, **kwargs)
+            if isinstance(result, StageResult) and not result.reused:
+                result.span = (start, time.time())
+            return result
+
         options: dict[str, Any] = {"name": name, "retries": RETRIES, "retry_delay_seconds": RETRY_DELAYS,
                                    "retry_condition_fn": retry_unless_engine_gone, "persist_result": True,
                                    "timeout_seconds": STAGE_TIMEOUT_S}
@@ -78,7 +88,7 @@ def stage_task(name: str, cache: bool = True) -> Any:
             options["cache_key_fn"] = stage_cache_key
         else:
             options["cache_policy"] = None
-        TASKS[name] = task(**options)(fn)
+        TASKS[name] = task(**options)(timed)
         return TASKS[name]
     return wrap
 
@@ -153,13 +163,16 @@ def generate_rollouts(plan: RunPlan, iteration: int, stage: StageSpec, inputs: d
     if (done := _reuse(ctx, iteration, stage)) is not None:
         return done
     prompts = ctx.prompt_batch(iteration)
+    version = ctx.rollout_version(iteration)
     start = time.perf_counter()
-    batch = ctx.engine().generate(prompts, iteration=iteration, expected_version=iteration - 1)
+    batch = ctx.engine().generate(prompts, iteration=iteration, expected_version=version)
     gen_s = time.perf_counter() - start
     texts = decode_responses(ctx.tokenizer, batch["responses"])
     tokens = float(batch["response_mask"].sum())
-    metrics = {"timing_s/gen": gen_s, "perf/gen_tokens": tokens, "perf/gen_tokens_per_s": tokens / gen_s}
-    get_run_logger().info("iteration %d: generated %d responses in %.2f s", iteration, len(batch), gen_s)
+    metrics = {"timing_s/gen": gen_s, "perf/gen_tokens": tokens, "perf/gen_tokens_per_s": tokens / gen_s,
+               "async/rollout_version": float(version), "async/staleness": float(iteration - 1 - version)}
+    get_run_logger().info("iteration %d: generated %d responses in %.2f s with the weights of version %d",
+                          iteration, len(batch), gen_s, version)
     return _write(ctx, iteration, stage, batch.with_columns(response_text=texts), metrics)
 
 
@@ -176,7 +189,8 @@ def generate_baseline(plan: RunPlan, iteration: int, stage: StageSpec, inputs: d
     prompts = ctx.prompt_batch(iteration)
     unique = prompts.index(list(range(0, len(prompts), n)))  # one row per group
     start = time.perf_counter()
-    out = ctx.engine().generate(unique, iteration=iteration, expected_version=iteration - 1, do_sample=False)
+    out = ctx.engine().generate(unique, iteration=iteration, expected_version=ctx.rollout_version(iteration),
+                                do_sample=False)
     seconds = time.perf_counter() - start
     texts = decode_responses(ctx.tokenizer, out["responses"])
     batch = Batch({"baseline_responses": out["responses"].repeat_interleave(n, dim=0),
@@ -383,6 +397,26 @@ def update_policy(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[
     return StageResult(metrics=metrics)
 
 
+@stage_task("sync_weights", cache=False)
+def sync_weights(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                 kl_coef: float = 0.0) -> StageResult:
+    """placement.mode=split: the weights of version k from the training pool to the rollout pool, once
+    (a rollout pool at version k already has them)."""
+    ctx = context(plan)
+    maybe_fail(ctx, stage.name, iteration)
+    engine = ctx.engine()
+    versions = engine.versions()
+    if versions["rollout"] == iteration:
+        return StageResult(reused=True)
+    if versions["rollout"] != iteration - 1:
+        raise VersionMismatchError(f"the rollout pool of run {ctx.plan.run_id!r} is at version {versions['rollout']}; "
+                                   f"the weight sync of iteration {iteration} needs {iteration - 1}")
+    metrics = engine.sync_weights(iteration)
+    get_run_logger().info("iteration %d: weights of version %d sent to the rollout pool: %.1f MB in %.2f s",
+                          iteration, iteration, metrics["perf/weight_sync_mb"], metrics["timing_s/weight_sync"])
+    return StageResult(metrics=metrics)
+
+
 # -- checkpoint and validation ---------------------------------------------------------------------
 
 @stage_task("save_checkpoint", cache=False)
@@ -415,7 +449,7 @@ def validate(plan: RunPlan, iteration: int) -> StageResult:
     start = time.perf_counter()
     engine = ctx.engine()
     out = Batch.concat([engine.generate(chunk, iteration=iteration, expected_version=iteration,
-                                        do_sample=ctx.plan.rollout.val_do_sample)
+                                        do_sample=ctx.plan.rollout.val_do_sample, pool="policy")
                         for chunk in prompts.chunks(ctx.plan.data.val_batch_size)])
     out = out.with_columns(response_text=decode_responses(ctx.tokenizer, out["responses"]))
     score = _score(ctx, out)

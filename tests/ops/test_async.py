@@ -1,0 +1,138 @@
+"""Asynchronous RL through the real CLI, stack and storage: split placement (1 training rank + 1 rollout
+rank), trainer.max_staleness = k.
+
+- k = 0 on the split pools gives the on-policy loop's weights bit for bit (colocated, 1 rank, with a
+  rollout copy: the same ranks' seeds, the same weights reaching the generator by another path).
+- k = 1: the rollout of each iteration uses the version the schedule fixes (0, 0, 1, 2), rollouts
+  overlap updates in the run's timeline, and a run whose flow process and engine die mid-run resumes
+  to the uninterrupted run's weights bit for bit, keeping every complete buffer.
+- A failed stage of an asynchronous iteration: the run goes on from where it stopped, reusing the
+  iteration's finished stages.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.ops.test_faults import REWARD, buffers
+from tests.services import Cli
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+ITERATIONS = 4
+SPLIT = ("placement.mode=split", "trainer.world_size=1", "placement.rollout_ranks=1", "placement.cpus_per_rank=1")
+
+
+def args(model: Path, root: Path, run_id: str, *extra: str) -> list[str]:
+    return [f"model.path={model}", f"storage.root={root}", f"trainer.run_id={run_id}", REWARD,
+            f"trainer.total_iterations={ITERATIONS}", "trainer.save_every=3", "trainer.val_every=0",
+            "data.train_batch_size=8", "actor.mini_batch_size=32", "actor.micro_batch_size=32", "data.train_size=256",
+            "data.val_size=16", "rollout.max_new_tokens=8", *extra]
+
+
+def weights(root: Path, run_id: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(root / run_id / "export" / f"step_{ITERATIONS:06d}" / "model.safetensors")
+
+
+def metrics(root: Path, run_id: str) -> list[dict]:
+    return [json.loads((root / run_id / "metrics" / f"iter_{i:06d}.json").read_text())
+            for i in range(1, ITERATIONS + 1)]
+
+
+def assert_equal_weights(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for key in got:
+        assert bool((got[key] == want[key]).all()), key
+
+
+@pytest.fixture(scope="module")
+def reference(cli: Cli, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """An uninterrupted asynchronous run (k = 1)."""
+    root = tmp_path_factory.mktemp("async-reference")
+    proc = cli("train", *args(tiny_model_dir, root, "async-ref", *SPLIT, "trainer.max_staleness=1"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {"root": root, "weights": weights(root, "async-ref"), "metrics": metrics(root, "async-ref")}
+
+
+def test_k0_on_split_pools_equals_the_on_policy_loop(cli: Cli, tiny_model_dir: Path, tmp_path: Path) -> None:
+    colocated = cli("train", *args(tiny_model_dir, tmp_path, "colocated", "trainer.world_size=1",
+                                   "rollout.weights=copy", "placement.cpus_per_rank=1"))
+    assert colocated.returncode == 0, colocated.stderr[-4000:]
+    split = cli("train", *args(tiny_model_dir, tmp_path, "split-k0", *SPLIT))
+    assert split.returncode == 0, split.stderr[-4000:]
+    assert_equal_weights(weights(tmp_path, "split-k0"), weights(tmp_path, "colocated"))
+    synced = metrics(tmp_path, "split-k0")
+    assert all(m["perf/weight_sync_mb"] > 0 and m["async/staleness"] == 0 for m in synced)
+
+
+def test_async_rollouts_use_the_scheduled_versions_and_overlap_updates(reference: dict) -> None:
+    lines = reference["metrics"]
+    assert [m["async/rollout_version"] for m in lines] == [0, 0, 1, 2]  # max(0, i - 1 - k)
+    assert [m["async/staleness"] for m in lines] == [0, 1, 1, 1]
+    for m in lines:  # decoupled PPO's truncated importance weights are reported
+        assert 0 < m["async/is_weight_mean"] and m["async/is_weight_max"] >= m["async/is_weight_mean"]
+        assert 0 <= m["async/is_weight_clipped"] <= 1
+    events = json.loads((reference["root"] / "async-ref" / "trace" / "timeline.json").read_text())["traceEvents"]
+    spans = {(e["args"]["iteration"], e["name"]): (e["ts"], e["ts"] + e["dur"])
+             for e in events if e["ph"] == "X" and e["pid"] == 1}
+    overlapping = [i for i in range(1, ITERATIONS)
+                   if spans[(i + 1, "generate_rollouts")][0] < spans[(i, "update_policy")][1]
+                   and spans[(i, "update_policy")][0] < spans[(i + 1, "generate_rollouts")][1]]
+    assert overlapping, spans  # the rollout of i+1 ran while i updated (at least once)
+    ranks = {(e["pid"], e["tid"]) for e in events if e["ph"] == "X" and e["pid"] != 1}
+    assert len(ranks) == 2  # the training rank and the rollout rank
+    # the schedule, not the timing, decides: every sync of version i came after the rollout of i + 1
+    for i in range(1, ITERATIONS):
+        assert spans[(i, "sync_weights")][0] >= spans[(i + 1, "generate_rollouts")][1]
+
+
+def test_async_flow_and_engine_killed_then_resumed(cli: Cli, tiny_model_dir: Path, tmp_path: Path,
+                                                   reference: dict) -> None:
+    """The flow process dies right after the update of iteration 3, and its engine with it (a lost
+    machine): the resume starts a new engine, replays iterations 1-2 from their buffers (no checkpoint
+    yet), gives the rollout pool version 2, and goes on."""
+    first = cli("train", *args(tiny_model_dir, tmp_path, "async-kill", *SPLIT, "trainer.max_staleness=1",
+                               "debug.kill_flow_after=update_policy", "debug.kill_iteration=3"))
+    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+    assert cli("engine", "stop", "async-kill").returncode == 0
+    before = buffers(tmp_path, "async-kill")
+    resumed = cli("train", "--resume", "async-kill", f"storage.root={tmp_path}")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    logs = resumed.stdout + resumed.stderr
+    assert "replaying the updates of iteration 2" in logs, logs[-3000:]
+    after = buffers(tmp_path, "async-kill")
+    assert all(after[k] == v for k, v in before.items())  # every complete buffer kept, none rewritten
+    assert_equal_weights(weights(tmp_path, "async-kill"), reference["weights"])
+    assert [m["async/rollout_version"] for m in metrics(tmp_path, "async-kill")] == [0, 0, 1, 2]
+
+
+def test_failed_async_iteration_goes_on_reusing_its_finished_stages(cli: Cli, tiny_model_dir: Path,
+                                                                    tmp_path: Path, reference: dict) -> None:
+    """compute_advantages of iteration 3 fails past its retries: the run fails with iteration 2 committed
+    (and the rollout of 4, which overlapped, in storage). Run again, it reuses iteration 3's rollout,
+    reward and log-probs and iteration 4's rollout, and ends with the uninterrupted run's weights."""
+    failed = cli("train", *args(tiny_model_dir, tmp_path, "async-fail", *SPLIT, "trainer.max_staleness=1",
+                                "debug.fail_stage=compute_advantages", "debug.fail_times=3",
+                                "debug.fail_iteration=3"))
+    assert failed.returncode != 0
+    assert "debug.fail_stage=compute_advantages: failure 3 of 3" in failed.stdout + failed.stderr
+    done = metrics_done(tmp_path, "async-fail")
+    assert done == [1, 2]
+    before = buffers(tmp_path, "async-fail")
+    assert any("iter_000004/rollout" in k for k in before)  # generated while iteration 3 ran
+    again = cli("train", "--resume", "async-fail", f"storage.root={tmp_path}")
+    assert again.returncode == 0, again.stderr[-4000:]
+    after = buffers(tmp_path, "async-fail")
+    assert all(after[k] == v for k, v in before.items())
+    line = metrics(tmp_path, "async-fail")[2]
+    assert line["stages/reused"] >= 3  # rollout, reward, old log-probs of iteration 3
+    assert_equal_weights(weights(tmp_path, "async-fail"), reference["weights"])
+
+
+def metrics_done(root: Path, run_id: str) -> list[int]:
+    return sorted(int(p.stem.split("_")[1]) for p in (root / run_id / "metrics").glob("iter_*.json"))
