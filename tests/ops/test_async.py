@@ -54,9 +54,22 @@ def assert_equal_weights(got: dict, want: dict) -> None:
 def reference(cli: Cli, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """An uninterrupted asynchronous run (k = 1)."""
     root = tmp_path_factory.mktemp("async-reference")
-    proc = cli("train", *args(tiny_model_dir, root, "async-ref", *SPLIT, "trainer.max_staleness=1"))
+    reads = root / "reads"
+    reads.mkdir()
+    proc = cli("train", *args(tiny_model_dir, root, "async-ref", *SPLIT, "trainer.max_staleness=1"),
+               env={"RLFLOW_CONFIG_READS": str(reads)})
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return {"root": root, "weights": weights(root, "async-ref"), "metrics": metrics(root, "async-ref")}
+    read = {line for path in reads.glob("reads-*.txt") for line in path.read_text().split()}
+    return {"root": root, "weights": weights(root, "async-ref"), "metrics": metrics(root, "async-ref"),
+            "read": read}
+
+
+def test_the_asynchronous_settings_are_read(reference: dict) -> None:
+    """The settings only a split, asynchronous run uses (tests/pipeline/test_algorithms.py's every-path
+    run is colocated and on-policy, and leaves exactly these to this test)."""
+    from tests.pipeline.test_algorithms import ASYNC_ONLY
+
+    assert {f"{cls}.{name}" for cls, name in ASYNC_ONLY.values()} <= reference["read"]
 
 
 def test_k0_on_split_pools_equals_the_on_policy_loop(cli: Cli, tiny_model_dir: Path, tmp_path: Path) -> None:
