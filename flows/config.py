@@ -145,6 +145,13 @@ class RLConfig(BaseModel):
         if k and self.placement.mode != "split":
             raise _cross("trainer.max_staleness", k, "needs placement.mode=split: colocated ranks generate and "
                          "train in turn, so a rollout cannot run while an update does")
+        if self.placement.mode == "colocated":
+            for key in sorted({"rollout_ranks", "sync_bucket_mb"} & self.placement.model_fields_set):
+                raise _cross(f"placement.{key}", getattr(self.placement, key), "is a setting of the rollout pool: "
+                             "it needs placement.mode=split")
+        if not k and "behavior_is_cap" in self.actor.model_fields_set:
+            raise _cross("actor.behavior_is_cap", self.actor.behavior_is_cap, "corrects stale rollouts: it needs "
+                         "trainer.max_staleness >= 1 (an on-policy run has none)")
         if k and self.algorithm.kl_ctrl == "adaptive":
             raise _cross("trainer.max_staleness", k, "cannot be combined with algorithm.kl_ctrl=adaptive (the "
                          "coefficient of iteration i comes from i-1, which is still running); use fixed")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -175,3 +176,15 @@ def test_file_paths_of_user_code_are_made_absolute(tmp_path: Path, monkeypatch: 
     cfg = load_config(None, ["reward.function=my/reward.py:score", "algorithm.extra_stages=a.py:f,pkg.mod:g"])
     assert cfg.reward.function == f"{tmp_path}/my/reward.py:score"
     assert cfg.algorithm.extra_stages == [f"{tmp_path}/a.py:f", "pkg.mod:g"]
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("placement.rollout_ranks=2", "placement.rollout_ranks=2 is not allowed: is a setting of the rollout pool: it needs "
+                                  "placement.mode=split"),
+    ("actor.behavior_is_cap=3", "actor.behavior_is_cap=3.0 is not allowed: corrects stale rollouts: it needs "
+                                "trainer.max_staleness >= 1"),
+    ("trainer.max_staleness=1", "trainer.max_staleness=1 is not allowed: needs placement.mode=split"),
+])
+def test_asynchronous_settings_without_their_mode_are_refused(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [override])
