@@ -145,11 +145,14 @@ class RLConfig(BaseModel):
         if k and self.placement.mode != "split":
             raise _cross("trainer.max_staleness", k, "needs placement.mode=split: colocated ranks generate and "
                          "train in turn, so a rollout cannot run while an update does")
+        # Only a value other than the default is refused: a saved run.json writes every default out, and
+        # a default changes nothing either way.
         if self.placement.mode == "colocated":
-            for key in sorted({"rollout_ranks", "sync_bucket_mb"} & self.placement.model_fields_set):
-                raise _cross(f"placement.{key}", getattr(self.placement, key), "is a setting of the rollout pool: "
-                             "it needs placement.mode=split")
-        if not k and "behavior_is_cap" in self.actor.model_fields_set:
+            for key in ("rollout_ranks", "sync_bucket_mb"):
+                if _differs_from_default(self.placement, key):
+                    raise _cross(f"placement.{key}", getattr(self.placement, key), "is a setting of the rollout "
+                                 "pool: it needs placement.mode=split")
+        if not k and _differs_from_default(self.actor, "behavior_is_cap"):
             raise _cross("actor.behavior_is_cap", self.actor.behavior_is_cap, "corrects stale rollouts: it needs "
                          "trainer.max_staleness >= 1 (an on-policy run has none)")
         if k and self.algorithm.kl_ctrl == "adaptive":
@@ -193,6 +196,10 @@ class RLConfig(BaseModel):
 
 
 _SEMANTIC_TRAINER_KEYS = ("total_iterations", "world_size", "device", "seed", "max_staleness")
+
+
+def _differs_from_default(section: BaseModel, key: str) -> bool:
+    return getattr(section, key) != type(section).model_fields[key].default
 
 
 class _CrossSectionError(ValueError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import yaml
 
 from engine.errors import ConfigError
 from flows.cli import main
-from flows.config import DEFAULT_CONFIG, RLConfig, load_config
+from flows.config import DEFAULT_CONFIG, RLConfig, build_config, load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 
@@ -188,3 +189,12 @@ def test_file_paths_of_user_code_are_made_absolute(tmp_path: Path, monkeypatch: 
 def test_asynchronous_settings_without_their_mode_are_refused(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, [override])
+
+
+def test_a_saved_config_builds_again() -> None:
+    """run.json holds every default written out; a resume re-reads it, so the refusals of settings that a
+    mode ignores must not fire on a default (the CI failure of every colocated --resume)."""
+    for overrides in ([], ["placement.mode=split", "trainer.max_staleness=1", "actor.behavior_is_cap=3"]):
+        cfg = load_config(None, overrides)
+        again = build_config(json.loads(json.dumps(cfg.public_dict())))
+        assert again.config_hash() == cfg.config_hash()
