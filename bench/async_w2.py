@@ -1,12 +1,14 @@
 """Benchmark: the asynchronous schedule against the colocated on-policy loop, side by side in one run.
 
-    python bench/async_w2.py [--steps 10] [--workload W2]
+    python bench/async_w2.py [--steps 10] [--workload W2] [--trl]
 
 Same total cores (2): colocated, 2 ranks, trainer.max_staleness=0 (today's loop) against split placement,
 1 training rank + 1 rollout rank, k = 1. Per run: seconds per step (median over steps 3..N of the time
 between two iteration commits, the only step time that means something when iterations overlap),
 generated tokens per second, the time in which no rank computes (from trace/timeline.json: the union
-of every rank's traced calls over steps 3..N), and the training reward at the end.
+of every rank's traced calls over steps 3..N), and the training reward at the end. With --trl, TRL's
+GRPOTrainer runs the same workload in the same run of the script (bench/vs_trl.py's runner; its step is
+the time between its on_step_end callbacks), and both rlflow variants are given as a ratio to it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.vs_trl import WORKLOADS, _free_port, build_inputs, run_rlflow  # noqa: E402
+from bench.vs_trl import WORKLOADS, _free_port, build_inputs, run_rlflow, run_trl, trl_python  # noqa: E402
 from flows.trace import busy_time  # noqa: E402
 
 VARIANTS = {"colocated k=0 (2 ranks)": (2, []),
@@ -54,6 +56,7 @@ def main() -> None:
     parser.add_argument("--workload", default="W2")
     parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "rlflow-bench")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "async_w2.json")
+    parser.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer on the workload")
     args = parser.parse_args()
     from infra.config import StackConfig
     from infra.stack import LocalStack
@@ -74,7 +77,14 @@ def main() -> None:
             print(name, {k: round(v, 3) for k, v in results[name].items()}, flush=True)
     finally:
         stack.down()
-    base, fast = results.values()
+    if args.trl:
+        trl = run_trl(trl_python(work), work, args.workload, model, data, 0.0, args.steps, "async-bench", {})
+        results["TRL"] = {"s_per_step": trl["s_per_step"], "gen_tok_s": trl["gen_tok_s"],
+                          "reward_first": trl["reward_first"], "reward_last3": trl["reward_last3"]}
+        print("TRL", {k: round(v, 3) for k, v in results["TRL"].items()}, flush=True)
+        for name in VARIANTS:
+            print(f"{name} / TRL (speed): {trl['s_per_step'] / results[name]['s_per_step']:.2f}x")
+    base, fast = (results[name] for name in VARIANTS)
     print(f"speed-up {base['s_per_step'] / fast['s_per_step']:.2f}x")
     args.out.write_text(json.dumps({"workload": args.workload, "steps": args.steps, "results": results}, indent=1))
 

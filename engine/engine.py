@@ -9,6 +9,7 @@ Stages address the engine by run id; the actors are found by name, never passed 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel
@@ -28,9 +29,10 @@ class EngineSpec(BaseModel):
     backend: Literal["gloo", "nccl"] = "gloo"
     num_cpus_per_rank: float = 1.0
     num_gpus_per_rank: float = 0.0
-    placement: Literal["pack", "spread"] = "pack"
+    placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"
     namespace: str = NAMESPACE
     timeout_s: float = 1800.0
+    capacity_timeout_s: float = 300.0  # how long a group waits for the cluster to have room for it
     policy: PolicySpec
     critic: CriticSpec | None = None
     rollout_ranks: int = 0  # placement.mode=split: the rollout pool's ranks (0: colocated)
@@ -67,23 +69,27 @@ class Engine:
 
     # -- lifecycle ---------------------------------------------------------------------------------
     @classmethod
-    def start(cls, spec: EngineSpec) -> Engine:
+    def start(cls, spec: EngineSpec, waiting: Callable[[str], None] | None = None, restart: bool = False) -> Engine:
         """Create the worker groups (stopping any leftover actors of this run id first). Split placement:
-        the rollout pool too, and the sync group spanning the training group's rank 0 and it."""
+        the rollout pool too, and the sync group spanning the training group's rank 0 and it. A new
+        engine that cannot fit the cluster is refused; a restart (after a lost node) waits for capacity
+        up to spec.capacity_timeout_s, reporting to `waiting`."""
         import ray
 
         check_run_id(spec.run_id)
-        check_fits(spec, ray.cluster_resources())
+        if not restart:
+            check_fits(spec, ray.cluster_resources())
         groups: list[WorkerGroup] = []
         try:
-            groups.append(cls._create(spec, "policy", PolicyWorker, spec.policy.model_dump()))
+            groups.append(cls._create(spec, "policy", PolicyWorker, spec.policy.model_dump(), waiting=waiting))
             critic = rollout = None
             if spec.critic is not None:
-                critic = cls._create(spec, "critic", CriticWorker, spec.critic.model_dump())
+                critic = cls._create(spec, "critic", CriticWorker, spec.critic.model_dump(), waiting=waiting)
                 groups.append(critic)
             if spec.rollout_ranks:
                 rollout = cls._create(spec, "rollout", RolloutWorker, spec.policy.model_dump(),
-                                      world_size=spec.rollout_ranks, num_cpus=spec.rollout_num_cpus_per_rank)
+                                      world_size=spec.rollout_ranks, num_cpus=spec.rollout_num_cpus_per_rank,
+                                      waiting=waiting)
                 groups.append(rollout)
             engine = cls(spec, groups[0], critic, rollout)
             if rollout is not None:
@@ -140,12 +146,14 @@ class Engine:
 
     @staticmethod
     def _create(spec: EngineSpec, role: str, worker_cls: type, worker_spec: dict[str, Any],
-                world_size: int | None = None, num_cpus: float | None = None) -> WorkerGroup:
+                world_size: int | None = None, num_cpus: float | None = None,
+                waiting: Callable[[str], None] | None = None) -> WorkerGroup:
         return WorkerGroup.create(
             run_id=spec.run_id, role=role, worker_cls=worker_cls, world_size=world_size or spec.world_size,
             config_hash=spec.config_hash, init_kwargs={"spec": worker_spec},
             num_cpus_per_rank=num_cpus or spec.num_cpus_per_rank, num_gpus_per_rank=spec.num_gpus_per_rank,
             placement=spec.placement, backend=spec.backend, namespace=spec.namespace, timeout_s=spec.timeout_s,
+            capacity_timeout_s=spec.capacity_timeout_s, waiting=waiting,
         )
 
     def versions(self) -> dict[str, int]:

@@ -25,5 +25,10 @@ class EngineDeadError(EngineError):
     """A worker rank is gone (its process died); the engine must be recreated and restored."""
 
 
+class EngineHungError(EngineDeadError):
+    """A worker rank made no progress within its call's timeout (stopped, or stuck in a collective with
+    one that is): the engine is recreated and restored as if the rank had died."""
+
+
 class VersionMismatchError(EngineError):
     """A stage expected the engine at one version (iteration) and found another."""

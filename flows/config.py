@@ -59,6 +59,9 @@ class TrainerConfig(Section):
     keep_engine: bool = Field(False, description="leave the engine actors running after the run")
     max_engine_restarts: int = Field(2, ge=0, description="times a run restarts a failed engine and goes on")
     stage_timeout_s: float = Field(1800.0, gt=0, description="a stage running longer fails")
+    capacity_timeout_s: float = Field(600.0, gt=0, description="an engine restarted after a lost node waits this "
+                                      "long for the cluster to have room for its ranks, then the run fails (resume "
+                                      "it once nodes are back)")
     loggers: list[LoggerName] = Field(
         default_factory=list,
         description="metric loggers besides metrics.jsonl: tensorboard, wandb (offline), mlflow (local "

@@ -275,7 +275,7 @@ def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str
     return EngineSpec(
         run_id=run_id, config_hash=cfg.config_hash(), world_size=cfg.trainer.world_size,
         num_cpus_per_rank=float(threads), placement=cfg.ray.placement, namespace=cfg.ray.namespace,
-        timeout_s=cfg.trainer.stage_timeout_s, policy=policy, critic=critic, rollout_ranks=rollout_ranks,
+        timeout_s=cfg.trainer.stage_timeout_s, capacity_timeout_s=cfg.trainer.capacity_timeout_s, policy=policy, critic=critic, rollout_ranks=rollout_ranks,
         rollout_num_cpus_per_rank=float(threads), sync_bucket_mb=place.sync_bucket_mb,
     )
 

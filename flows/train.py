@@ -33,13 +33,14 @@ from prefect_ray.context import remote_options
 from engine.advantage import make_kl_controller
 from engine.checkpoint_io import CheckpointCorruptError
 from engine.engine import Engine
-from engine.errors import EngineDeadError, VersionMismatchError
+from engine.errors import ConfigError, EngineDeadError, EngineHungError, VersionMismatchError
 from flows import pipeline, progress, report, trace
 from flows.config import RLConfig
 from flows.loggers import MetricLoggers, require_packages, run_log_dir
 from flows.plan import OpenRun, open_run, resolve_config
 from infra.buffers import load_ref
 from infra.checkpoints import CheckpointStore, Manifest
+from infra.config import StorageConfig
 from infra.errors import IntegrityError
 from tasks.context import RunPlan, context
 from tasks.faults import maybe_kill_flow
@@ -144,6 +145,7 @@ class Trainer:
     history: list[dict[str, Any]] = field(default_factory=list)
     stop_requested: bool = False
     last_commit: float | None = None  # perf_counter of the last iteration's commit (asynchronous steps)
+    recoveries: dict[int, dict[str, float]] = field(default_factory=dict)  # engine restarts, per iteration
     _subflow_settings: tuple[Any, Any] | None = None  # (the run's settings, the subflows' copy)
 
     def subflow_settings(self) -> SettingsContext:
@@ -177,6 +179,7 @@ def train(config_path: str | None = None, overrides: list[str] | None = None, re
     logger = get_run_logger()
     cfg, run_id = resolve_config(config_path, list(overrides or []), resume)
     require_packages(cfg.trainer.loggers)  # a missing logger package fails before anything starts
+    check_storage_reaches_nodes(cfg.storage, ray.nodes())
     run = open_run(cfg, run_id, resume=resume is not None, parent=parent)
     log_dir = run_log_dir(cfg.trainer.log_dir, storage_root=cfg.storage.root, run_id=run_id)
     loggers = MetricLoggers.create(cfg.trainer.loggers, run_id=run_id, log_dir=str(log_dir), config=cfg.public_dict(),
@@ -250,8 +253,10 @@ def run_async(trainer: Trainer, engine: Engine, last: int, committed: Any) -> En
             restarts += 1
             get_run_logger().warning("iteration %d: the engine failed (%s); restart %d of %d", first,
                                      str(err).splitlines()[0], restarts, cfg.trainer.max_engine_restarts)
+            began = time.perf_counter()
             engine.stop()
-            engine, _ = reconcile(trainer)
+            engine, _ = reconcile(trainer, restart=True)
+            _count_recovery(trainer, first, err, time.perf_counter() - began)
         except Exception as err:
             if not _api_unreachable(err) or api_outages == _API_OUTAGES:
                 raise
@@ -287,8 +292,10 @@ def run_with_restarts(trainer: Trainer, engine: Engine, iteration: int) -> Engin
             attempt += 1
             get_run_logger().warning("iteration %d: the engine failed (%s); restart %d of %d",
                                      iteration, str(err).splitlines()[0], attempt, restarts)
+            began = time.perf_counter()
             engine.stop()
-            engine, _ = reconcile(trainer)
+            engine, _ = reconcile(trainer, restart=True)
+            _count_recovery(trainer, iteration, err, time.perf_counter() - began)
         except Exception as err:
             # The Prefect API went away (a server restart) while the iteration created a flow or task
             # run: wait for it, then run the iteration again; its finished stages are reused from storage
@@ -299,6 +306,15 @@ def run_with_restarts(trainer: Trainer, engine: Engine, iteration: int) -> Engin
             log.warning("iteration %d: the Prefect API is unreachable (%s); waiting for it, then running "
                         "the iteration again", iteration, type(err).__name__)
             _wait_for_api(_API_WAIT_S)
+
+
+def _count_recovery(trainer: Trainer, iteration: int, err: BaseException, seconds: float) -> None:
+    """engine/restarts (and engine/hung_restarts, engine/restart_s) in the metrics of the iteration."""
+    line = trainer.recoveries.setdefault(iteration, {"engine/restarts": 0.0, "engine/hung_restarts": 0.0,
+                                                     "engine/restart_s": 0.0})  # fmt: skip
+    line["engine/restarts"] += 1
+    line["engine/hung_restarts"] += isinstance(err, EngineHungError)
+    line["engine/restart_s"] += seconds
 
 
 _API_OUTAGES = 3  # per iteration
@@ -364,6 +380,7 @@ def run_iteration(trainer: Trainer, iteration: int) -> dict[str, float] | None:
             metrics["perf/time_per_step"] = now - trainer.last_commit
             metrics["perf/throughput"] = metrics.get("perf/total_num_tokens", 0.0) / metrics["perf/time_per_step"]
         trainer.last_commit = now
+    metrics.update(trainer.recoveries.pop(iteration, {}))
     trainer.run.runs.write_metrics(iteration, metrics)
     trainer.loggers.log(iteration, metrics)
     progress.notify(iteration, metrics)
@@ -379,8 +396,9 @@ def run_iteration(trainer: Trainer, iteration: int) -> dict[str, float] | None:
     return metrics
 
 
-def reconcile(trainer: Trainer) -> tuple[Engine, int]:
-    """(engine at the right version, next iteration), per the recovery contract."""
+def reconcile(trainer: Trainer, restart: bool = False) -> tuple[Engine, int]:
+    """(engine at the right version, next iteration), per the recovery contract. `restart`: after the
+    engine failed, when its ranks may have to wait for the cluster to have room again (a lost node)."""
     logger = get_run_logger()
     run, plan = trainer.run, trainer.plan
     finished = run.runs.last_finished_iteration() or 0
@@ -397,7 +415,7 @@ def reconcile(trainer: Trainer) -> tuple[Engine, int]:
     except EngineDeadError as err:
         logger.info("no live engine (%s): starting one", err)
     Engine.stop_run(plan.run_id, plan.engine.namespace)
-    engine = Engine.start(plan.engine)
+    engine = Engine.start(plan.engine, waiting=logger.warning, restart=restart)
     step = restore(engine, _checkpoint_store(trainer), run.store.storage_options()) if finished else None
     if step:
         logger.info("restored checkpoint step %d", step)
@@ -496,6 +514,18 @@ def _last_iteration(cfg: RLConfig, first: int) -> int:
     if cfg.trainer.iterations_per_run:
         last = min(last, first + cfg.trainer.iterations_per_run - 1)
     return last
+
+
+def check_storage_reaches_nodes(storage: StorageConfig, nodes: list[dict[str, Any]]) -> None:
+    """A local storage root is this machine's folder: the stage tasks and ranks on other nodes would write
+    buffers and checkpoints that this machine never sees. ConfigError before anything is written,
+    unless the user says every node mounts it (storage.shared_fs)."""
+    alive = [n for n in nodes if n.get("Alive")]
+    if "://" in storage.root and not storage.root.startswith("file://") or storage.shared_fs or len(alive) < 2:
+        return
+    raise ConfigError(f"storage.root={storage.root} is a local folder and the Ray cluster has {len(alive)} nodes: "
+                      "use an object store (s3://bucket/prefix), or set storage.shared_fs=true if every node "
+                      "mounts that folder")
 
 
 def connect_ray(address: str, cfg: RLConfig) -> None:

@@ -17,6 +17,8 @@ class StorageConfig(_Section):
     region: str | None = Field(None, description="S3 region; default: AWS_DEFAULT_REGION")
     access_key_id: SecretStr | None = Field(None, description="default: AWS_ACCESS_KEY_ID; never logged")
     secret_access_key: SecretStr | None = Field(None, description="default: AWS_SECRET_ACCESS_KEY; never logged")
+    shared_fs: bool = Field(False, description="a local root that every Ray node mounts (NFS, Lustre): only then "
+                            "may a multi-node cluster use a local root")
     keep_last: int = Field(3, ge=1, description="committed checkpoints kept")
     keep_every: int = Field(0, ge=0, description="also keep every M-th step (0: none)")
     lease_ttl_s: float = Field(300.0, gt=0, description="writer lease expiry unless renewed")
@@ -33,7 +35,9 @@ class RayConfig(_Section):
     )
     namespace: str = "rlflow"
     max_concurrent_stages: int = Field(4, ge=1, description="stage tasks running at once (a custom resource)")
-    placement: Literal["pack", "spread"] = "pack"
+    placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = Field(
+        "pack", description="the Ray placement-group strategy of each pool's ranks (strict_spread: one rank a node)"
+    )
 
 
 class StackConfig(_Section):
@@ -51,8 +55,19 @@ class StackConfig(_Section):
     ray_port: int = Field(default=6379, ge=1, le=65535, description="the Ray head's GCS port")
     num_cpus: int | None = Field(
         default=None,
-        ge=1,
-        description="the Ray head's logical CPUs; default: max(cores, 4), the engine's rank actors need 4",
+        ge=0,
+        description="the Ray node's logical CPUs; default: max(cores, 4), the engine's rank actors need 4 "
+        "(0: a head that runs no rank, as a cluster's head often does)",
+    )
+    join: str | None = Field(
+        default=None,
+        description="127.0.0.1:PORT of another stack's Ray head: this state folder runs a Ray worker node "
+        "of that cluster (with the stage resource) instead of a stack of its own",
+    )
+    join_token_file: str | None = Field(
+        default=None,
+        description="with join: the head's Ray token file (its state folder's stack/ray_auth_token); "
+        "default: $RAY_AUTH_TOKEN_PATH, else no token",
     )
     ray_auth: Literal["token", "disabled"] = Field(
         default="token",

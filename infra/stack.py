@@ -60,6 +60,7 @@ from typing import Literal
 
 from infra.config import RayConfig, StackConfig
 from infra.errors import InfraError
+from infra.node import READY_LINE
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +70,9 @@ STAGE_RESOURCE = "rlflow_stage"  # the custom Ray resource that caps how many st
 ENGINE_MIN_CPUS = 4
 HOST = "127.0.0.1"
 
-ServiceName = Literal["prefect", "ray"]
+ServiceName = Literal["prefect", "ray", "node"]
 SERVICES: tuple[ServiceName, ...] = ("prefect", "ray")
+JOINED: tuple[ServiceName, ...] = ("node",)  # a state folder that joined another stack's head
 State = Literal["running", "unhealthy", "stale", "stopped"]
 
 _RAY_READY_LINE = b"Ray runtime started"  # what `ray start` prints once the node has registered
@@ -124,6 +126,8 @@ class ProcessRecord:
     num_cpus: int | None = None
     stage_slots: int | None = None
     loopback: bool = False  # started with _RAY_LOOPBACK (heads recorded before it listen beyond)
+    join: str | None = None  # node only: the head it joined
+    token_file: str | None = None  # node only: the head's token it joined with
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,7 @@ class StackStatus:
     home: Path
     prefect: ServiceStatus
     ray: ServiceStatus
+    node: ServiceStatus | None = None  # a worker node of another stack's head (`rlflow up --join`)
 
     @property
     def running(self) -> bool:
@@ -161,6 +166,14 @@ class StackStatus:
     def ray_address(self) -> str | None:
         """The head's address when it runs (also when Prefect does not)."""
         return self.ray.address if self.ray_running else None
+
+
+def _check_join(address: str) -> None:
+    host, _, port = address.rpartition(":")
+    if host not in (HOST, "localhost") or not port.isdigit():
+        raise InfraError(f"--join {address}: must be 127.0.0.1:PORT, a stack's Ray head on this machine (it listens "
+                         "on 127.0.0.1 only); another machine joins a Ray cluster with `ray start --address` "
+                         "(docs/operations.md)")
 
 
 def prefect_api_url(port: int) -> str:
@@ -195,15 +208,22 @@ class LocalStack:
         self.home = resolve_home(self.config.home)
         # One default for the cap: the run config's ray.max_concurrent_stages.
         self.stage_slots = stage_slots or RayConfig.model_fields["max_concurrent_stages"].default
-        self.num_cpus = self.config.num_cpus or default_num_cpus()
+        self.num_cpus = default_num_cpus() if self.config.num_cpus is None else self.config.num_cpus
+        self.services = JOINED if self.config.join else SERVICES
+        if self.config.join:
+            _check_join(self.config.join)
 
     # -- the three commands -------------------------------------------------------------------------
 
     def status(self) -> StackStatus:
-        return StackStatus(self.home, self._service_status("prefect"), self._service_status("ray"))
+        node = self._service_status("node")
+        return StackStatus(self.home, self._service_status("prefect"), self._service_status("ray"),
+                           None if node.state == "stopped" else node)
 
-    def up(self, services: tuple[ServiceName, ...] = SERVICES) -> StackStatus:
-        """Start every service in `services` that is not running; reuse those that are."""
+    def up(self, services: tuple[ServiceName, ...] | None = None) -> StackStatus:
+        """Start every service in `services` (default: the stack's, or its worker node) that is not
+        running; reuse those that are."""
+        services = self.services if services is None else services
         details: dict[str, str] = {}
         with self._lock():
             before = {name: self._service_status(name) for name in services}
@@ -225,13 +245,16 @@ class LocalStack:
                 self._wait_ready(name, record, deadline)
                 details[name] = f"started in {time.time() - record.started_at:.1f} s"
         now = self.status()
-        return replace(now, **{name: replace(getattr(now, name), detail=d) for name, d in details.items()})
+        return replace(now, **{name: replace(getattr(now, name), detail=d) for name, d in details.items()
+                               if getattr(now, name) is not None})
 
     def down(self) -> list[str]:
         """Stop what `up` started, by the recorded PIDs. Returns one line per service."""
         lines = []
         with self._lock():
-            for name in SERVICES:
+            # A state folder holds a stack or a joined node: the lines are about the one it holds.
+            joined = self._read_record("node") is not None
+            for name in JOINED if joined else SERVICES:
                 record = self._read_record(name)
                 if record is None:
                     lines.append(f"{name}: not running")
@@ -244,6 +267,8 @@ class LocalStack:
         """What the running service has that this config would not: it is reused as it is."""
         if record is None:
             return ""
+        if name == "node":
+            return f" (joined {record.join}: `rlflow down` first to change)" if record.join != self.config.join else ""
         wanted = {"port": self.config.prefect_port if name == "prefect" else self.config.ray_port}
         if name == "ray":
             wanted.update(num_cpus=self.num_cpus, stage_slots=self.stage_slots)
@@ -257,7 +282,7 @@ class LocalStack:
         record = self._read_record(name)
         if record is None:
             return ServiceStatus(name, "stopped", detail="not running")
-        address = prefect_api_url(record.port) if name == "prefect" else f"{HOST}:{record.port}"
+        address = prefect_api_url(record.port) if name == "prefect" else record.join or f"{HOST}:{record.port}"
         if not _alive(record.pid, record.start_ticks):
             state: State = "stale"
             detail = f"process {record.pid} is gone (stale record)"
@@ -270,15 +295,22 @@ class LocalStack:
     def _healthy(self, name: ServiceName, record: ProcessRecord) -> bool:
         if name == "prefect":
             return _prefect_health(record.port)
+        if name == "node":  # registered with the head once it prints its line
+            return _log_has(Path(record.log), record.log_offset, READY_LINE.encode())
         return _port_open(record.port) and _log_has(Path(record.log), record.log_offset, _RAY_READY_LINE)
 
     def _spawn(self, name: ServiceName) -> ProcessRecord:
-        port = self.config.prefect_port if name == "prefect" else self.config.ray_port
-        if _port_taken(port):
+        if name == "node":
+            assert self.config.join is not None
+            cmd, env = self._node_command(self.config.join)
+            port = int(self.config.join.rsplit(":", 1)[1])
+        else:
+            port = self.config.prefect_port if name == "prefect" else self.config.ray_port
+            cmd, env = self._prefect_command(port) if name == "prefect" else self._ray_command(port)
+        if name != "node" and _port_taken(port):
             option = "--prefect-port" if name == "prefect" else "--ray-port"
             raise InfraError(f"cannot start {name} on port {port}: another process uses it "
                              f"(choose another with `rlflow up {option} P`)")  # fmt: skip
-        cmd, env = self._prefect_command(port) if name == "prefect" else self._ray_command(port)
         log = self.home / "stack" / f"{name}.log"
         _rotate(log)
         offset = log.stat().st_size if log.exists() else 0
@@ -293,6 +325,11 @@ class LocalStack:
         if name == "ray":
             record = replace(record, temp_dir=str(ray_temp_dir(self.home)), auth=self.config.ray_auth,
                              num_cpus=self.num_cpus, stage_slots=self.stage_slots, loopback=True)  # fmt: skip
+        if name == "node":
+            token = env.get("RAY_AUTH_TOKEN_PATH")
+            record = replace(record, temp_dir=str(ray_temp_dir(self.home)), auth="token" if token else "disabled",
+                             num_cpus=self.num_cpus, stage_slots=self.stage_slots, loopback=True,
+                             join=self.config.join, token_file=token)  # fmt: skip
         self._write_record(name, record)
         return record
 
@@ -329,6 +366,19 @@ class LocalStack:
             # Not the shared default 10001: Ray client (ray://) connections must not reach another head.
             f"--ray-client-server-port={_free_port()}",
         ]  # fmt: skip
+        return cmd, env
+
+    def _node_command(self, address: str) -> tuple[list[str], dict[str, str]]:
+        temp = ray_temp_dir(self.home)
+        temp.mkdir(parents=True, exist_ok=True)
+        env = _env_without(_RAY_DROP)
+        token = self.config.join_token_file or os.environ.get("RAY_AUTH_TOKEN_PATH")
+        env.update(RAY_AUTH_MODE="token" if token else "disabled", RAY_USAGE_STATS_ENABLED="0", DO_NOT_TRACK="1",
+                   RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0", **_RAY_LOOPBACK)  # fmt: skip
+        if token:
+            env["RAY_AUTH_TOKEN_PATH"] = str(Path(token).expanduser().resolve())
+        cmd = [sys.executable, "-m", "infra.node", "--address", address, "--num-cpus", str(self.num_cpus),
+               "--resources", json.dumps({STAGE_RESOURCE: self.stage_slots}), "--temp-dir", str(temp)]
         return cmd, env
 
     def _wait_ready(self, name: ServiceName, record: ProcessRecord, deadline: float) -> None:
@@ -439,6 +489,41 @@ def _stack_info(api_url: str, ray_record: ProcessRecord, home: Path) -> StackInf
         ray_token_path=str(token_path(home)) if ray_record.auth == "token" else None,
         ray_loopback=ray_record.loopback,
     )
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    address: str
+    alive: bool
+    head: bool
+    resources: dict[str, float]
+
+    def line(self) -> str:
+        shown = ", ".join(f"{k} {v:g}" for k, v in sorted(self.resources.items())
+                          if k in ("CPU", "GPU") or k == STAGE_RESOURCE)
+        return (f"{self.node_id[:12]}  {self.address:15} {'alive' if self.alive else 'dead ':5}  "
+                f"{'head' if self.head else 'worker':6}  {shown}")
+
+
+def cluster_nodes(address: str, token_path: str | None = None) -> list[NodeInfo]:
+    """The nodes of the Ray cluster at `address`, read in a subprocess (a driver of its own, so this
+    process's Ray state is left alone), head first."""
+    env = _env_without(_RAY_DROP)
+    env.update(RAY_AUTH_MODE="token" if token_path else "disabled", **_RAY_LOOPBACK)
+    if token_path:
+        env["RAY_AUTH_TOKEN_PATH"] = token_path
+    code = (f"import json, ray; ray.init(address={address!r}, log_to_driver=False, logging_level='ERROR'); "
+            "print(json.dumps([{k: n[k] for k in ('NodeID', 'NodeManagerAddress', 'Alive', 'Resources')} "
+            "for n in ray.nodes()]))")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          check=False)  # fmt: skip
+    if proc.returncode:
+        raise InfraError(f"cannot read the nodes of the Ray cluster at {address}: {proc.stderr.strip()[-300:]}")
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    nodes = [NodeInfo(r["NodeID"], r["NodeManagerAddress"], r["Alive"], "node:__internal_head__" in r["Resources"],
+                      {k: float(v) for k, v in r["Resources"].items()}) for r in rows]  # fmt: skip
+    return sorted(nodes, key=lambda n: (not n.head, not n.alive, n.node_id))
 
 
 def connect_env(info: StackInfo) -> dict[str, str]:

@@ -23,6 +23,8 @@ class FaultConfig(BaseModel):
     kill_flow_after: str | None = Field(None, description="SIGKILL the flow process once this stage is done")
     kill_iteration: int = Field(1, ge=1, description="the iteration of the kill_* faults")
     kill_rank_mid_update: int | None = Field(None, ge=0, description="this policy rank dies mid-update")
+    stop_rank_mid_update: int | None = Field(None, ge=0, description="this policy rank stops itself (SIGSTOP) "
+                                             "mid-update: alive but hung, its peer blocked in a collective")
     kill_during_checkpoint: bool = Field(False, description="the saving process dies after the shards "
                                          "are written, before the commit")
 
@@ -62,11 +64,15 @@ def _once(ctx: StageContext, what: str, iteration: int) -> bool:
 
 def maybe_kill_rank(ctx: StageContext, engine: Any, role: str, iteration: int) -> None:
     """Arm one policy rank to exit in the middle of this iteration's update (after its first backward)."""
-    rank = ctx.plan.debug.kill_rank_mid_update
-    if role != "policy" or rank is None or ctx.plan.debug.kill_iteration != iteration:
+    debug = ctx.plan.debug
+    if role != "policy" or debug.kill_iteration != iteration:
         return
-    if _once(ctx, f"killed_rank_{rank}", iteration):
+    rank = debug.kill_rank_mid_update
+    if rank is not None and _once(ctx, f"killed_rank_{rank}", iteration):
         engine.policy.call("debug_fault", "exit_mid_update", rank)
+    rank = debug.stop_rank_mid_update
+    if rank is not None and _once(ctx, f"stopped_rank_{rank}", iteration):
+        engine.policy.call("debug_fault", "stop_mid_update", rank)
 
 
 def maybe_kill_uploader(ctx: StageContext, iteration: int) -> None:

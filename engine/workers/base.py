@@ -44,7 +44,8 @@ class RankWorker:
         self.config_hash = config_hash
         self.version = 0
         self.started = time.time()
-        self.exit_mid_update = False  # a test fault (debug_fault)
+        self.exit_mid_update = False  # test faults (debug_fault)
+        self.stop_mid_update = False
         self.spans: list[tuple[str, float, float]] = []  # traced calls not yet drained
         torch.set_num_threads(max(1, num_threads))
 
@@ -77,6 +78,7 @@ class RankWorker:
             "config_hash": self.config_hash,
             "version": self.version,
             "pid": os.getpid(),
+            "node_id": _node_id(),
             "uptime_s": round(time.time() - self.started, 1),
         }
 
@@ -136,13 +138,23 @@ class RankWorker:
         if kind == "exit_mid_update":  # armed: the next update exits after its first backward
             self.exit_mid_update = True
             return "armed"
-        raise ValueError(f"unknown fault kind {kind!r}; allowed: raise, hang, exit, exit_mid_update")
+        if kind == "stop_mid_update":  # armed: the next update stops (SIGSTOP) after its first backward
+            self.stop_mid_update = True
+            return "armed"
+        raise ValueError(f"unknown fault kind {kind!r}; allowed: raise, hang, exit, exit_mid_update, "
+                         "stop_mid_update")
 
 
 # What FSDP2 (all_gather_single, reduce_scatter_single in torch >= 2.13; the *_tensor forms before) and
 # our own reductions call.
 _COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
                 "all_reduce", "all_gather", "broadcast", "reduce_scatter", "barrier")
+
+
+def _node_id() -> str:
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id())
 
 
 def _node_ip() -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -21,7 +22,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine.batch import Batch
-from engine.errors import EngineDeadError, EngineError
+from engine.errors import EngineDeadError, EngineError, EngineHungError
 
 NAMESPACE = "rlflow"
 Dispatch = Literal["one_to_all", "dp", "rank0"]
@@ -63,21 +64,25 @@ class WorkerGroup:
         init_kwargs: dict[str, Any],
         num_cpus_per_rank: float = 1.0,
         num_gpus_per_rank: float = 0.0,
-        placement: Literal["pack", "spread"] = "pack",
+        placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack",
         backend: str = "gloo",
         namespace: str = NAMESPACE,
         timeout_s: float = 1800.0,
+        capacity_timeout_s: float = 300.0,
+        waiting: Callable[[str], None] | None = None,
     ) -> WorkerGroup:
-        """Start the ranks in a detached placement group and form their torch.distributed group."""
+        """Start the ranks in a detached placement group and form their torch.distributed group. Until
+        the cluster has room for the group (a lost node not yet replaced), wait up to `capacity_timeout_s`,
+        telling `waiting` every few seconds how many ranks the alive nodes could place."""
         check_run_id(run_id)
         bundle = {"CPU": num_cpus_per_rank, **({"GPU": num_gpus_per_rank} if num_gpus_per_rank else {})}
         pg = placement_group(
             [bundle] * world_size,
-            strategy="PACK" if placement == "pack" else "SPREAD",
+            strategy=placement.upper(),
             name=f"{run_id}/{role}/pg",
             lifetime="detached",
         )
-        _wait(pg.ready(), timeout_s=min(timeout_s, 300.0), what=f"placement group of {run_id}/{role}")
+        _wait_placed(pg, bundle, world_size, placement.upper(), capacity_timeout_s, waiting, f"{run_id}/{role}")
         remote_cls = ray.remote(worker_cls)
         actors = []
         for rank in range(world_size):
@@ -223,7 +228,8 @@ def _gather(refs: list[Any], method: str, timeout_s: float) -> list[Any]:
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
             ranks = sorted(rank_of[r] for r in pending)
-            raise EngineError(f"rank(s) {ranks} did not finish {method} within {timeout_s:g} s")
+            raise EngineHungError(f"rank(s) {ranks} made no progress in {method} for {timeout_s:g} s "
+                                  "(trainer.stage_timeout_s): declared hung")
         ref = ready[0]
         results[rank_of[ref]] = _get(ref, rank_of[ref], method, 0.0)
     return [results[rank] for rank in range(len(refs))]
@@ -243,6 +249,39 @@ def _get(ref: Any, rank: int, method: str, timeout_s: float) -> Any:
         if isinstance(cause, EngineError):  # the rank refused the call: keep the kind (e.g. a version mismatch)
             raise type(cause)(f"rank {rank} refused {method}: {cause}") from None
         raise EngineError(f"rank {rank} failed in {method}: {cause!r}\nremote traceback:\n{err}") from None
+
+
+_WAIT_REPORT_S = 10.0
+
+
+def _wait_placed(pg: Any, bundle: dict[str, float], ranks: int, strategy: str, timeout_s: float,
+                 waiting: Callable[[str], None] | None, what: str) -> None:
+    """Wait for the placement group; on timeout remove it (no half-reserved cluster) and EngineError."""
+    deadline = time.monotonic() + timeout_s
+    need = ", ".join(f"{v:g} {k}" for k, v in bundle.items())
+    while True:
+        ready, _ = ray.wait([pg.ready()], timeout=max(0.0, min(_WAIT_REPORT_S, deadline - time.monotonic())))
+        if ready:
+            return
+        placeable = _placeable(bundle, ranks, strategy)
+        status = f"{ranks} ranks of {need} each ({strategy}): {placeable} of {ranks} ranks placeable on the alive nodes"
+        if time.monotonic() >= deadline:
+            remove_placement_group(pg)
+            raise EngineError(f"the {what} workers could not be placed within {timeout_s:g} s "
+                              f"(trainer.capacity_timeout_s): {status}; add nodes, then resume the run")
+        if waiting is not None:
+            waiting(f"waiting for capacity: the {what} workers need {status}")
+
+
+def _placeable(bundle: dict[str, float], ranks: int, strategy: str) -> int:
+    """How many of the group's bundles the alive nodes' resources could hold (in all, not free now)."""
+    per_node = [min(int(n["Resources"].get(k, 0.0) // v) for k, v in bundle.items() if v)
+                for n in ray.nodes() if n.get("Alive")]  # fmt: skip
+    if strategy == "STRICT_SPREAD":
+        return min(ranks, sum(1 for fit in per_node if fit >= 1))
+    if strategy == "STRICT_PACK":
+        return min(ranks, max(per_node, default=0))
+    return min(ranks, sum(per_node))
 
 
 def _wait(ref: Any, timeout_s: float, what: str) -> None:

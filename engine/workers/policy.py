@@ -220,6 +220,9 @@ class PolicyWorker(RankWorker):
     def _maybe_exit(self) -> None:
         if self.exit_mid_update:  # a test fault: SIGKILL this rank with half an update done
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.stop_mid_update:  # a test fault: this rank hangs (alive, stopped) with half an update done
+            self.stop_mid_update = False
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     def _micro_loss(self, micro: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.spec.actor

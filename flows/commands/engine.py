@@ -58,12 +58,24 @@ def _list(args: argparse.Namespace) -> int:
     if not engines:
         print("no live engines")
         return 0
-    table = Table("run id", "role", "ranks")
+    table = Table("run id", "role", "ranks", "nodes (of the ranks, in order)")
     for run_id, roles in engines.items():
         for role, ranks in roles.items():
-            table.add_row(run_id, role, ", ".join(map(str, ranks)))
+            table.add_row(run_id, role, ", ".join(map(str, ranks)), _rank_nodes(run_id, role))
     Console().print(table)
     return 0
+
+
+def _rank_nodes(run_id: str, role: str) -> str:
+    """The Ray node (first 12 hex digits of its id) each rank runs on, or why it is not known."""
+    from engine.errors import EngineError
+    from engine.workers.group import WorkerGroup
+
+    try:
+        pings = WorkerGroup.attach(run_id=run_id, role=role, config_hash=None).health()
+    except EngineError as err:
+        return f"not reachable: {err}"
+    return ", ".join(p.get("node_id", "?")[:12] for p in pings)  # "?": a rank of an older rlflow
 
 
 def _stop(args: argparse.Namespace) -> int:

@@ -21,11 +21,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--num-cpus", type=int, default=None, metavar="N", help="Ray logical CPUs (default: max(cores, 4))"
     )
+    up.add_argument("--join", default=None, metavar="ADDRESS",
+                    help="add this state folder to the stack whose Ray head is ADDRESS (127.0.0.1:PORT) as a Ray "
+                    "worker node with the stage resource, instead of starting a stack; `rlflow down` leaves")
+    up.add_argument("--token-file", default=None, metavar="PATH",
+                    help="with --join: the head's Ray token file (default: $RAY_AUTH_TOKEN_PATH)")
     up.set_defaults(func=_up)
     down = sub.add_parser("down", help="stop the local stack (the processes `rlflow up` started)")
     down.set_defaults(func=_down)
     status = sub.add_parser(
-        "status", help="what runs where: Prefect UI, Ray address, PIDs (exit code 1 unless both run)"
+        "status", help="what runs where: Prefect UI, Ray address, PIDs, the Ray nodes and their resources "
+        "(exit code 1 unless the stack, or the joined node, runs)"
     )
     status.add_argument(
         "--env", action="store_true", help="print `export` lines that point a shell at the stack"
@@ -34,7 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _config(args: argparse.Namespace) -> StackConfig:
-    chosen = {"prefect_port": args.prefect_port, "ray_port": args.ray_port, "num_cpus": args.num_cpus}
+    chosen = {"prefect_port": args.prefect_port, "ray_port": args.ray_port, "num_cpus": args.num_cpus,
+              "join": args.join, "join_token_file": args.token_file}
     return StackConfig(**{key: value for key, value in chosen.items() if value is not None})
 
 
@@ -63,10 +70,32 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     print(f"state folder {status.home}")
     _print(status)
-    return 0 if status.running else 1
+    if status.running:
+        info = status.info()
+        _print_nodes(info.ray_address, info.ray_token_path)
+    elif status.node is not None and status.node.state == "running" and status.node.record is not None:
+        _print_nodes(status.node.address or "", status.node.record.token_file)
+    return 0 if status.running or (status.node is not None and status.node.state == "running") else 1
+
+
+def _print_nodes(address: str, token_path: str | None) -> None:
+    """The Ray cluster's nodes (alive and dead), from its GCS."""
+    from infra.stack import cluster_nodes
+
+    try:
+        nodes = cluster_nodes(address, token_path)
+    except Exception as err:  # status is a report: the stack lines above stand without the nodes
+        print(f"Ray nodes    not listed: {err}")
+        return
+    print(f"Ray nodes    {sum(n.alive for n in nodes)} alive of {len(nodes)}")
+    for node in nodes:
+        print(f"  {node.line()}")
 
 
 def _print(status: StackStatus) -> None:
+    if status.node is not None:  # a worker node of another stack
+        print(_line(status.node))
+        return
     for service in (status.prefect, status.ray):
         print(_line(service))
     if status.prefect.state == "running":
@@ -80,7 +109,7 @@ def _line(service: ServiceStatus) -> str:
         return f"{service.name:8} stopped"
     parts = [f"{service.name:8} {service.state:9} pid {service.pid:<7} {service.address}"]
     record = service.record
-    if service.name == "ray" and record is not None:
+    if service.name in ("ray", "node") and record is not None:
         parts.append(f"{record.num_cpus} CPUs, {record.stage_slots} stage slots, auth {record.auth}")
     parts.append(service.detail)
     parts.append(f"log {service.log}")

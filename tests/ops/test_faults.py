@@ -83,14 +83,6 @@ def assert_reused(root: Path, run_id: str, iteration: int) -> None:
     assert line["stages/reused"] >= 4, line["stages/reused"]  # rollout, reward, old_logprob, advantage
 
 
-@pytest.fixture(scope="module")
-def reference(cli: Cli, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp("reference")
-    proc = cli("train", *args(tiny_model_dir, str(root), "reference"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {"weights": weights(root, "reference"), "record": sampler_record(root, "reference")}
-
-
 def test_engine_rank_killed_mid_update(cli: Cli, tiny_model_dir: Path, tmp_path: Path, reference: dict) -> None:
     start = time.monotonic()
     proc = cli("train", *args(tiny_model_dir, str(tmp_path), "rank-kill", "debug.kill_rank_mid_update=1",
@@ -101,6 +93,25 @@ def test_engine_rank_killed_mid_update(cli: Cli, tiny_model_dir: Path, tmp_path:
     assert_reused(tmp_path, "rank-kill", 2)
     assert_like_uninterrupted(tmp_path, "rank-kill", reference)
     print(f"rank kill: {time.monotonic() - start:.0f} s")
+
+
+def test_hung_rank_mid_update_is_restarted(cli: Cli, tiny_model_dir: Path, tmp_path: Path, reference: dict) -> None:
+    """Rank 1 stops itself (SIGSTOP) after its first backward of iteration 2: alive, but hung, and rank
+    0 blocks in the gradient collective. After trainer.stage_timeout_s the engine is declared hung,
+    stopped, restarted, restored and replayed; the iteration runs again reusing its finished stages."""
+    start = time.monotonic()
+    proc = cli("train", *args(tiny_model_dir, str(tmp_path), "hung", "debug.stop_rank_mid_update=1",
+                              "debug.kill_iteration=2", "trainer.stage_timeout_s=20"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    logs = proc.stdout + proc.stderr
+    assert ("iteration 2: the engine failed (rank(s) [0, 1] made no progress in update_actor for 20 s "
+            "(trainer.stage_timeout_s): declared hung); restart 1 of 2") in logs, logs[-3000:]
+    line = json.loads((tmp_path / "hung" / "metrics" / "iter_000002.json").read_text())
+    assert line["engine/restarts"] == 1 and line["engine/hung_restarts"] == 1 and line["engine/restart_s"] > 0
+    assert "engine/restarts" not in json.loads((tmp_path / "hung" / "metrics" / "iter_000003.json").read_text())
+    assert_reused(tmp_path, "hung", 2)
+    assert_like_uninterrupted(tmp_path, "hung", reference)
+    print(f"hung rank: {time.monotonic() - start:.0f} s")
 
 
 def test_flow_process_killed_mid_iteration_then_resumed(cli: Cli, tiny_model_dir: Path, tmp_path: Path,
