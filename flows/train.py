@@ -181,6 +181,8 @@ def train(config_path: str | None = None, overrides: list[str] | None = None, re
     require_packages(cfg.trainer.loggers)  # a missing logger package fails before anything starts
     check_storage_reaches_nodes(cfg.storage, ray.nodes())
     run = open_run(cfg, run_id, resume=resume is not None, parent=parent)
+    if resume is not None:  # this process holds the run's lease: an earlier "Running" run of it is dead
+        _crash_orphans(run_id)
     log_dir = run_log_dir(cfg.trainer.log_dir, storage_root=cfg.storage.root, run_id=run_id)
     loggers = MetricLoggers.create(cfg.trainer.loggers, run_id=run_id, log_dir=str(log_dir), config=cfg.public_dict(),
                                    project=cfg.trainer.project)
@@ -306,6 +308,45 @@ def run_with_restarts(trainer: Trainer, engine: Engine, iteration: int) -> Engin
             log.warning("iteration %d: the Prefect API is unreachable (%s); waiting for it, then running "
                         "the iteration again", iteration, type(err).__name__)
             _wait_for_api(_API_WAIT_S)
+
+
+def _crash_orphans(run_id: str) -> None:
+    """Mark Crashed the flow runs of `run_id` that a dead controller left "Running" (it was SIGKILLed,
+    or exited on a lost Ray head without reporting), and their iteration subflows, naming this run."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowFilter,
+        FlowFilterName,
+        FlowRunFilter,
+        FlowRunFilterName,
+        FlowRunFilterParentFlowRunId,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.context import FlowRunContext
+    from prefect.states import Crashed
+
+    this = FlowRunContext.get()
+    if this is None or this.flow_run is None:
+        return
+    running = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING]))
+    message = f"its process died; run {run_id} was resumed by flow run {this.flow_run.name} ({this.flow_run.id})"
+    try:
+        with get_client(sync_client=True) as client:
+            orphans = [r for r in client.read_flow_runs(
+                flow_filter=FlowFilter(name=FlowFilterName(any_=["rlflow-train"])),
+                flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_id]), state=running))
+                if r.id != this.flow_run.id]  # fmt: skip
+            for orphan in orphans:
+                for child in client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                        parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[orphan.id]), state=running)):
+                    client.set_flow_run_state(child.id, Crashed(message=message), force=True)
+                client.set_flow_run_state(orphan.id, Crashed(message=message), force=True)
+                get_run_logger().warning("flow run %s (%s) of run %s was left Running by a dead process: marked "
+                                         "Crashed", orphan.name, orphan.id, run_id)
+    except Exception as err:  # the UI's states are a nicety: a failure here must not stop the resume
+        log.warning("could not mark the earlier flow runs of %s Crashed: %s", run_id, err)
 
 
 def _count_recovery(trainer: Trainer, iteration: int, err: BaseException, seconds: float) -> None:

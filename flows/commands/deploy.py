@@ -74,8 +74,12 @@ def _serve(args: argparse.Namespace) -> int:
     from infra.stack import apply_connect_env, ensure_stack
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from flows.liveness import enable_heartbeats, ensure_crash_automation
+
     info = ensure_stack(StackConfig())
-    apply_connect_env(info)  # the runs (subprocesses) inherit the stack's address and the Ray token path
+    enable_heartbeats()  # the runs (subprocesses) inherit it, with the stack's address and the Ray token path
+    apply_connect_env(info)
+    ensure_crash_automation()
     print(f"rlflow: Prefect UI {info.ui_url}  |  Ray {info.ray_address}", flush=True)
     serve_deployments(args.names or None, limit=args.limit)
     return 0

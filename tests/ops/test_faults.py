@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -114,8 +115,35 @@ def test_hung_rank_mid_update_is_restarted(cli: Cli, tiny_model_dir: Path, tmp_p
     print(f"hung rank: {time.monotonic() - start:.0f} s")
 
 
+def test_a_killed_controller_is_marked_crashed_by_its_missing_heartbeat(cli: Cli, tiny_model_dir: Path,
+                                                                        tmp_path: Path, prefect: Any) -> None:
+    """The flow process is SIGKILLed and nothing resumes it: Prefect's automation (flows/liveness.py)
+    sets its flow run Crashed once its heartbeat has been missing for WINDOW_S."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    from flows.liveness import AUTOMATION, WINDOW_S
+
+    proc = cli("train", *args(tiny_model_dir, str(tmp_path), "zombie", "debug.kill_flow_after=generate_rollouts",
+                              "debug.kill_iteration=2"))
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert prefect.read_automations_by_name(AUTOMATION)
+    deadline = time.monotonic() + WINDOW_S + 90
+    while True:
+        (run,) = prefect.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["zombie"])))
+        if run.state.is_final() or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert run.state.name == "Crashed" and f"no heartbeat for {WINDOW_S} s" in run.state.message, run.state
+
+
 def test_flow_process_killed_mid_iteration_then_resumed(cli: Cli, tiny_model_dir: Path, tmp_path: Path,
-                                                         reference: dict) -> None:
+                                                         reference: dict, prefect: Any) -> None:
+    """...and the killed process's flow run and its iteration subflow, left "Running" in the UI, are
+    marked Crashed by the resumed run, naming it."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    from tests.ops.conftest import subflow_runs
+
     start = time.monotonic()
     first = cli("train", *args(tiny_model_dir, str(tmp_path), "flow-kill", "debug.kill_flow_after=generate_rollouts",
                                "debug.kill_iteration=2"))
@@ -126,6 +154,13 @@ def test_flow_process_killed_mid_iteration_then_resumed(cli: Cli, tiny_model_dir
     after = buffers(tmp_path, "flow-kill")
     assert all(after[k] == v for k, v in before.items())  # every complete buffer kept, none rewritten
     assert_like_uninterrupted(tmp_path, "flow-kill", reference)
+    killed, resumed_run = sorted(prefect.read_flow_runs(flow_run_filter=FlowRunFilter(
+        name=FlowRunFilterName(any_=["flow-kill"]))), key=lambda r: r.created)
+    assert resumed_run.state.is_completed()
+    for run in (killed, *subflow_runs(prefect, killed.id)):
+        assert run.state.is_final(), (run.name, run.state)
+    assert killed.state.name == "Crashed" and f"resumed by flow run flow-kill ({resumed_run.id})" in killed.state.message
+    assert subflow_runs(prefect, killed.id)[-1].state.name == "Crashed"  # iteration 2, killed mid-way
     print(f"flow kill + resume: {time.monotonic() - start:.0f} s")
 
 
