@@ -3,12 +3,13 @@
 A controller that is SIGKILLed, or that exits on a lost Ray head (after Ray's GCS timeout) without
 reporting, leaves its flow run "Running" in the UI for good. Three things end such runs:
 
-- Heartbeats: `rlflow train` and `rlflow serve` run their flows with PREFECT_FLOWS_HEARTBEAT_FREQUENCY
-  (HEARTBEAT_S, Prefect's minimum) unless the user set one; a flow run then emits a
+- Heartbeats: `rlflow train` and `rlflow serve` run their flows with PREFECT_FLOWS_HEARTBEAT_FREQUENCY =
+  HEARTBEAT_S (Prefect's minimum; its default is 180 s); a flow run then emits a
   `prefect.flow-run.heartbeat` event every HEARTBEAT_S while it runs (the iteration subflows do not).
-- An automation on the Prefect server (created once, by name): a flow run that emitted a heartbeat and
-  then, for WINDOW_S, neither another heartbeat nor a final state, is set Crashed (Prefect's own recipe
-  for zombie flow runs, docs.prefect.io "detect zombie flows").
+- An automation on the Prefect server (created once, by name): an rlflow flow run (of the flows in
+  FLOWS: other flows on the same server are left alone, their heartbeats may be slower) that emitted a
+  heartbeat and then, for WINDOW_S, neither another heartbeat nor a final state, is set Crashed
+  (Prefect's own recipe for zombie flow runs, docs.prefect.io "detect zombie flows").
 - A resumed run marks the earlier "Running" flow runs of its run id, and their iteration subflows,
   Crashed, naming itself (flows/train.py `_crash_orphans`): that also covers the subflows, which have no
   heartbeat.
@@ -25,12 +26,13 @@ logger = logging.getLogger(__name__)
 HEARTBEAT_S = 30  # Prefect's minimum (MINIMUM_HEARTBEAT_INTERVAL)
 WINDOW_S = 90  # three heartbeats missed
 AUTOMATION = "rlflow: crash flow runs whose heartbeat stopped"
+FLOWS = ["rlflow-train", "rlflow-scheduled"]
 
 
 def enable_heartbeats() -> None:
-    """Before Prefect's settings are (re)read: this process's flows emit heartbeats (a user's own
-    PREFECT_FLOWS_HEARTBEAT_FREQUENCY is kept)."""
-    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))
+    """Before Prefect's settings are (re)read: this process's flows emit a heartbeat every HEARTBEAT_S
+    (the automation's window is made for it, so a slower one set by the user is replaced)."""
+    os.environ["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] = str(HEARTBEAT_S)
 
 
 def ensure_crash_automation() -> None:
@@ -54,6 +56,8 @@ def ensure_crash_automation() -> None:
                     expect={"prefect.flow-run.heartbeat", "prefect.flow-run.Completed", "prefect.flow-run.Failed",
                             "prefect.flow-run.Cancelled", "prefect.flow-run.Crashed"},
                     match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+                    match_related=ResourceSpecification({"prefect.resource.role": "flow",
+                                                         "prefect.resource.name": FLOWS}),
                     for_each={"prefect.resource.id"},
                     posture=Posture.Proactive,
                     threshold=1,
