@@ -1,7 +1,7 @@
 """Benchmark: the engine alone (no Prefect): weight sync against model size, 1 against 2 ranks, and
 time per token against batch size.
 
-    python bench/engine_scaling.py [--repeats 3] [--work DIR] [--only sync,ranks,batch]
+    python bench/engine_scaling.py [--repeats 3] [--work DIR] [--only sync,ranks,batch,split_sync]
 
 It drives `engine.Engine` on a Ray head of the local stack (its own state folder under --work), the
 way the stage tasks do, with sort-task prompts and the models of bench/vs_trl.py:
@@ -119,6 +119,42 @@ def bench_sync(work: Path, repeats: int) -> list[dict[str, Any]]:
     return out
 
 
+def bench_split_sync(work: Path, repeats: int) -> list[dict[str, Any]]:
+    """Split placement (1 training rank + 1 rollout rank): the bucketed sync over the gloo group that spans
+    them (`Engine.sync_weights`: gather on the training rank, broadcast bucket by bucket, the rollout's
+    version set last), against model size and bucket size; medians of `repeats` syncs after one warm-up."""
+    out = []
+    for name in SIZES:
+        model = model_dir(work, name)
+        params = sum(t.numel() for t in _state(model).values())
+        for bucket_mb in (1.0, 32.0):
+            actor = ActorConfig(lr=2e-4, mini_batch_size=64, micro_batch_size=64)
+            spec = EngineSpec(run_id="bench-split-sync", config_hash="bench-split-sync", world_size=1,
+                              num_cpus_per_rank=1, rollout_ranks=1, rollout_num_cpus_per_rank=1,
+                              sync_bucket_mb=bucket_mb,
+                              policy=PolicySpec(model_path=str(model), tokenizer_path=str(model), use_ref=False,
+                                                rollout=RolloutConfig(n=N, max_new_tokens=MAX_NEW), actor=actor,
+                                                total_iterations=1000))  # fmt: skip
+            engine = Engine.start(spec)
+            try:
+                engine.sync_weights(0)  # warm-up
+                rows = []
+                for _ in range(repeats):
+                    began = time.perf_counter()
+                    metrics = engine.sync_weights(0)
+                    rows.append({"wall_s": time.perf_counter() - began, **metrics})
+            finally:
+                engine.stop()
+            wall = med(rows, "wall_s")
+            mb = med(rows, "perf/weight_sync_mb")
+            out.append({"size": name, "params": params, "bucket_mb": bucket_mb, "mb_sent": mb, "wall_ms": wall * 1e3,
+                        "sender_ms": med(rows, "timing_s/weight_sync") * 1e3,
+                        "gather_ms": med(rows, "timing_s/weight_sync_gather") * 1e3, "mb_s": mb / wall})  # fmt: skip
+            print(f"[split_sync] {name}, buckets of {bucket_mb:g} MB: {mb:.1f} MB in {wall * 1e3:.1f} ms "
+                  f"({mb / wall:.0f} MB/s)", flush=True)
+    return out
+
+
 def _state(model: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -181,6 +217,8 @@ def main() -> None:
             results["ranks"] = bench_ranks(work, args.repeats)
         if "batch" in parts:
             results["batch"] = bench_batch(work, args.repeats)
+        if "split_sync" in parts:
+            results["split_sync"] = bench_split_sync(work, args.repeats)
     finally:
         ray.shutdown()
         stack.down()
