@@ -32,6 +32,7 @@ class EngineSpec(BaseModel):
     placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"
     namespace: str = NAMESPACE
     timeout_s: float = 1800.0
+    timeout_setting: str = "trainer.stage_timeout_s"  # the setting timeout_s comes from (hang messages)
     capacity_timeout_s: float = 300.0  # how long a group waits for the cluster to have room for it
     policy: PolicySpec
     critic: CriticSpec | None = None
@@ -117,7 +118,8 @@ class Engine:
         """The live engine of `spec.run_id`; EngineDeadError when it (or one rank) is gone."""
         def group(role: str) -> WorkerGroup:
             return WorkerGroup.attach(run_id=spec.run_id, role=role, config_hash=spec.config_hash,
-                                      namespace=spec.namespace, timeout_s=spec.timeout_s)
+                                      namespace=spec.namespace, timeout_s=spec.timeout_s,
+                                      timeout_setting=spec.timeout_setting)
 
         engine = cls(spec, group("policy"), group("critic") if spec.critic is not None else None,
                      group("rollout") if spec.rollout_ranks else None)
@@ -197,7 +199,7 @@ class Engine:
         mb = self.spec.sync_bucket_mb
         refs = [a.send_weights.remote(mb) for a in self.policy.actors]
         refs += [a.receive_weights.remote(version, mb) for a in self.rollout.actors]
-        results = _gather(refs, "weight sync", self.spec.timeout_s)
+        results = _gather(refs, "weight sync", self.spec.timeout_s, self.spec.timeout_setting)
         return dict(results[0])
 
     def compute_log_prob(self, batch: Batch, *, expected_version: int | None) -> Batch:

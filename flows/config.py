@@ -58,7 +58,13 @@ class TrainerConfig(Section):
                                 "merged in (plain transformers weights) under export/step_N_merged")
     keep_engine: bool = Field(False, description="leave the engine actors running after the run")
     max_engine_restarts: int = Field(2, ge=0, description="times a run restarts a failed engine and goes on")
-    stage_timeout_s: float = Field(1800.0, gt=0, description="a stage running longer fails")
+    stage_timeout_s: float | None = Field(
+        None, gt=0, description="an engine call of a stage that makes no progress this long declares the engine "
+        "hung: it is restarted, restored and replayed, and the iteration runs again; default: 1 ms per token of "
+        "the iteration's batch (completions x (data.max_prompt_length + rollout.max_new_tokens)), at least 1800 s")
+    stage_timeouts: dict[str, float] = Field(
+        default_factory=dict, description="per stage name, instead of stage_timeout_s (for example "
+        "{update_policy: 600}); a name that is not a stage of the run is refused with the list of its stages")
     capacity_timeout_s: float = Field(600.0, gt=0, description="an engine restarted after a lost node waits this "
                                       "long for the cluster to have room for its ranks, then the run fails (resume "
                                       "it once nodes are back)")
@@ -72,6 +78,14 @@ class TrainerConfig(Section):
         description="local folder of the loggers' files, one subfolder per run; default: "
         "<storage.root>/<run_id>/logs, or ./runs/<run_id>/logs when storage is S3",
     )
+
+    @field_validator("stage_timeouts")
+    @classmethod
+    def _positive_timeouts(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, seconds in value.items():
+            if seconds <= 0:
+                raise ValueError(f"{name}: {seconds:g} s; each must be > 0")
+        return value
 
     @field_validator("loggers", mode="before")
     @classmethod
@@ -168,6 +182,16 @@ class RLConfig(BaseModel):
                 "needs a critic for its values: set critic.enable=true, or use a critic-free estimator",
             )
         return self
+
+    def stage_timeout(self, stage: str | None = None) -> tuple[float, str]:
+        """(seconds, the setting they come from) for an engine call of `stage` (None: outside a stage)."""
+        trainer = self.trainer
+        if stage is not None and stage in trainer.stage_timeouts:
+            return trainer.stage_timeouts[stage], f"trainer.stage_timeouts.{stage}"
+        if trainer.stage_timeout_s is not None:
+            return trainer.stage_timeout_s, "trainer.stage_timeout_s"
+        tokens = self.data.train_batch_size * self.rollout.n * (self.data.max_prompt_length + self.rollout.max_new_tokens)
+        return max(1800.0, 0.001 * tokens), "trainer.stage_timeout_s (default, scaled with the batch)"
 
     @property
     def needs_ref(self) -> bool:

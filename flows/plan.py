@@ -122,6 +122,7 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
     and stage list, and the reward on a few real rows. `rlflow train` calls it before the stack starts;
     `open_run` calls it again (a deployment's run comes without the CLI)."""
     check_run_id(run_id)
+    check_stage_timeouts(cfg)
     probe = probe_store(cfg.storage)
     with _reachable(probe):
         exists = RunStore(probe, run_id).exists()
@@ -236,18 +237,36 @@ def open_run(cfg: RLConfig, run_id: str, *, resume: bool, parent: dict[str, Any]
     except BaseException:
         lease.release()
         raise
+    stages = stages_for(cfg)
     plan = RunPlan(
         run_id=run_id, created=created, config_hash=cfg.config_hash(), model_path=inputs.model_path,
         tokenizer_path=inputs.tokenizer_path, train_files=list(train.sources),
         val_files=list(val.sources) if val is not None else [],
         engine=inputs.engine, data=cfg.data, rollout=cfg.rollout,
-        algorithm=cfg.algorithm, reward=cfg.reward, stages=stages_for(cfg), max_staleness=cfg.trainer.max_staleness,
+        algorithm=cfg.algorithm, reward=cfg.reward, stages=stages, max_staleness=cfg.trainer.max_staleness,
+        stage_timeouts={name: cfg.stage_timeout(name) for name in stage_names(stages)},
         # An absolute root: the stages run in Ray workers whose working directory is not this one.
         storage=cfg.storage.model_copy(update={"access_key_id": None, "secret_access_key": None,
                                                "root": inputs.store.url()}),
         debug=cfg.debug,
     )
     return OpenRun(plan, cfg, inputs.store, runs, lease, resume)
+
+
+OUTSIDE_THE_GRAPH = ("save_checkpoint", "validate")  # stages of every run besides the iteration's graph
+
+
+def stage_names(stages: list[Any]) -> list[str]:
+    return [*(s.name for s in stages), *OUTSIDE_THE_GRAPH]
+
+
+def check_stage_timeouts(cfg: RLConfig) -> None:
+    """trainer.stage_timeouts names stages of this run only: a typo must not leave a stage at the default."""
+    known = stage_names(stages_for(cfg))
+    for name in cfg.trainer.stage_timeouts:
+        if name not in known:
+            raise ConfigError(f"trainer.stage_timeouts.{name}: this run has no stage {name!r}; its stages: "
+                              f"{', '.join(known)}")
 
 
 def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str) -> EngineSpec:
@@ -275,7 +294,7 @@ def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str
     return EngineSpec(
         run_id=run_id, config_hash=cfg.config_hash(), world_size=cfg.trainer.world_size,
         num_cpus_per_rank=float(threads), placement=cfg.ray.placement, namespace=cfg.ray.namespace,
-        timeout_s=cfg.trainer.stage_timeout_s, capacity_timeout_s=cfg.trainer.capacity_timeout_s, policy=policy, critic=critic, rollout_ranks=rollout_ranks,
+        timeout_s=cfg.stage_timeout()[0], timeout_setting=cfg.stage_timeout()[1], capacity_timeout_s=cfg.trainer.capacity_timeout_s, policy=policy, critic=critic, rollout_ranks=rollout_ranks,
         rollout_num_cpus_per_rank=float(threads), sync_bucket_mb=place.sync_bucket_mb,
     )
 

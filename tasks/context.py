@@ -47,6 +47,7 @@ class RunPlan(BaseModel):
     storage: StorageConfig
     stages: list[StageSpec]  # the iteration's declared graph (flows.algorithms.stages_for)
     max_staleness: int = 0  # trainer.max_staleness: the rollout of iteration i uses version max(0, i-1-k)
+    stage_timeouts: dict[str, tuple[float, str]] = {}  # stage name: (seconds, the setting) of its engine calls
     debug: FaultConfig = FaultConfig()
 
 
@@ -79,10 +80,15 @@ class StageContext:
             )
         return self._cache[split]  # type: ignore[no-any-return]
 
-    def engine(self) -> Engine:
+    def engine(self, stage: str | None = None) -> Engine:
         """The run's live engine, attached by name on every call (a few ms): after a restart the
-        actors are new, and a handle kept from before would point at dead ones."""
-        return Engine.attach(self.plan.engine)
+        actors are new, and a handle kept from before would point at dead ones. Its calls time out
+        after `stage`'s timeout."""
+        spec = self.plan.engine
+        if stage in self.plan.stage_timeouts:
+            seconds, setting = self.plan.stage_timeouts[stage]
+            spec = spec.model_copy(update={"timeout_s": seconds, "timeout_setting": setting})
+        return Engine.attach(spec)
 
     def sampler_at(self, steps: int) -> PromptSampler:
         data = self.plan.data

@@ -165,7 +165,7 @@ def generate_rollouts(plan: RunPlan, iteration: int, stage: StageSpec, inputs: d
     prompts = ctx.prompt_batch(iteration)
     version = ctx.rollout_version(iteration)
     start = time.perf_counter()
-    batch = ctx.engine().generate(prompts, iteration=iteration, expected_version=version)
+    batch = ctx.engine(stage.name).generate(prompts, iteration=iteration, expected_version=version)
     gen_s = time.perf_counter() - start
     texts = decode_responses(ctx.tokenizer, batch["responses"])
     tokens = float(batch["response_mask"].sum())
@@ -189,7 +189,7 @@ def generate_baseline(plan: RunPlan, iteration: int, stage: StageSpec, inputs: d
     prompts = ctx.prompt_batch(iteration)
     unique = prompts.index(list(range(0, len(prompts), n)))  # one row per group
     start = time.perf_counter()
-    out = ctx.engine().generate(unique, iteration=iteration, expected_version=ctx.rollout_version(iteration),
+    out = ctx.engine(stage.name).generate(unique, iteration=iteration, expected_version=ctx.rollout_version(iteration),
                                 do_sample=False)
     seconds = time.perf_counter() - start
     texts = decode_responses(ctx.tokenizer, out["responses"])
@@ -300,7 +300,7 @@ def _forward_stage(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict
         return done
     batch = _inputs(ctx, stage, inputs)
     start = time.perf_counter()
-    out = call(ctx.engine(), batch)
+    out = call(ctx.engine(stage.name), batch)
     return _write(ctx, iteration, stage, Batch(out.tensors, {}), {timing: time.perf_counter() - start})
 
 
@@ -353,7 +353,7 @@ def _update(ctx: StageContext, iteration: int, role: str, stage: StageSpec, inpu
             ) -> dict[str, float]:
     """Apply iteration k's update once: the engine at version k already has it (return its record)."""
     record_key = ctx.runs.key("buffers", f"iter_{iteration:06d}", f"update_{role}.json")
-    engine = ctx.engine()
+    engine = ctx.engine(stage.name)
     version = engine.versions()[role]
     if version == iteration:
         try:
@@ -404,7 +404,7 @@ def sync_weights(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[s
     (a rollout pool at version k already has them)."""
     ctx = context(plan)
     maybe_fail(ctx, stage.name, iteration)
-    engine = ctx.engine()
+    engine = ctx.engine(stage.name)
     versions = engine.versions()
     if versions["rollout"] == iteration:
         return StageResult(reused=True)
@@ -429,7 +429,7 @@ def save_checkpoint(plan: RunPlan, iteration: int, trainer_state: dict[str, Any]
         return StageResult(metrics={}, reused=True)
     start = time.perf_counter()
     staging = ckpts.begin(iteration)
-    written = ctx.engine().save(staging, ctx.store.storage_options())  # hashed by the ranks as they wrote
+    written = ctx.engine("save_checkpoint").save(staging, ctx.store.storage_options())  # hashed by the ranks as they wrote
     maybe_kill_uploader(ctx, iteration)
     ckpts.write_trainer_state(iteration, trainer_state)
     ckpts.commit(iteration, written)  # MANIFEST from those hashes, then LATEST, then retention
@@ -447,7 +447,7 @@ def validate(plan: RunPlan, iteration: int) -> StageResult:
         return StageResult()
     prompts = ctx.val_batch()
     start = time.perf_counter()
-    engine = ctx.engine()
+    engine = ctx.engine("validate")
     out = Batch.concat([engine.generate(chunk, iteration=iteration, expected_version=iteration,
                                         do_sample=ctx.plan.rollout.val_do_sample, pool="policy")
                         for chunk in prompts.chunks(ctx.plan.data.val_batch_size)])

@@ -198,3 +198,23 @@ def test_a_saved_config_builds_again() -> None:
         cfg = load_config(None, overrides)
         again = build_config(json.loads(json.dumps(cfg.public_dict())))
         assert again.config_hash() == cfg.config_hash()
+
+
+def test_stage_timeouts_default_scales_with_the_batch_and_is_set_per_stage() -> None:
+    from flows.plan import check_stage_timeouts
+
+    cfg = load_config(None, ["data.train_batch_size=64", "rollout.n=8", "data.max_prompt_length=100",
+                             "rollout.max_new_tokens=28"])
+    assert cfg.stage_timeout("update_policy") == (1800.0, "trainer.stage_timeout_s (default, scaled with the batch)")
+    big = load_config(None, ["data.train_batch_size=512", "rollout.n=16", "data.max_prompt_length=1024",
+                             "rollout.max_new_tokens=1024"])
+    assert big.stage_timeout(None)[0] == 0.001 * 512 * 16 * 2048  # 16777 s: 1 ms per token of the batch
+    cfg = load_config(None, ["trainer.stage_timeout_s=900", "trainer.stage_timeouts={update_policy: 20}"])
+    assert cfg.stage_timeout("update_policy") == (20.0, "trainer.stage_timeouts.update_policy")
+    assert cfg.stage_timeout("generate_rollouts") == (900.0, "trainer.stage_timeout_s")
+    check_stage_timeouts(cfg)
+    with pytest.raises(ConfigError, match=re.escape("trainer.stage_timeouts.update_critic: this run has no stage "
+                                                    "'update_critic'; its stages: generate_rollouts, ")):
+        check_stage_timeouts(load_config(None, ["trainer.stage_timeouts={update_critic: 20}"]))
+    with pytest.raises(ConfigError, match="trainer.stage_timeouts"):
+        load_config(None, ["trainer.stage_timeouts={update_policy: 0}"])

@@ -46,6 +46,7 @@ class WorkerGroup:
     actors: list[Any]
     timeout_s: float = 1800.0
     namespace: str = NAMESPACE
+    timeout_setting: str = "trainer.stage_timeout_s"  # what a hang message names
 
     @property
     def world_size(self) -> int:
@@ -112,7 +113,7 @@ class WorkerGroup:
 
     @classmethod
     def attach(cls, *, run_id: str, role: str, config_hash: str | None, namespace: str = NAMESPACE,
-               timeout_s: float = 1800.0) -> WorkerGroup:
+               timeout_s: float = 1800.0, timeout_setting: str = "trainer.stage_timeout_s") -> WorkerGroup:
         """The live group of `run_id`, or EngineDeadError when any rank is gone."""
         try:
             first = ray.get_actor(actor_name(run_id, role, 0), namespace=namespace)
@@ -131,7 +132,7 @@ class WorkerGroup:
                 actors.append(ray.get_actor(actor_name(run_id, role, rank), namespace=namespace))
             except ValueError:
                 raise EngineDeadError(f"rank {rank} of the {role} workers of run {run_id!r} is gone") from None
-        group = cls(run_id, role, actors, timeout_s, namespace)
+        group = cls(run_id, role, actors, timeout_s, namespace, timeout_setting)
         group.health()
         return group
 
@@ -166,7 +167,7 @@ class WorkerGroup:
             return _get(getattr(self.actors[0], method).remote(*args, **kwargs), 0, method, timeout)
         if mode == "one_to_all":
             refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
-            return _gather(refs, method, timeout)
+            return _gather(refs, method, timeout, self.timeout_setting)
         if mode == "dp":
             return self._call_dp(method, args, kwargs, timeout)
         raise ValueError(f"dispatch mode {mode!r} is not one of one_to_all, dp, rank0")
@@ -185,7 +186,7 @@ class WorkerGroup:
             for rank in range(n):
                 shard_kwargs[rank][key] = shards[rank]
         refs = [getattr(a, method).remote(*shard_args[r], **shard_kwargs[r]) for r, a in enumerate(self.actors)]
-        results = _gather(refs, method, timeout)
+        results = _gather(refs, method, timeout, self.timeout_setting)
         if results and all(isinstance(r, Batch) for r in results):
             return Batch.unpad(Batch.concat(results), pad)
         return results
@@ -217,7 +218,7 @@ def stop_engine(run_id: str, namespace: str = NAMESPACE) -> list[str]:
     return sorted(roles)
 
 
-def _gather(refs: list[Any], method: str, timeout_s: float) -> list[Any]:
+def _gather(refs: list[Any], method: str, timeout_s: float, setting: str = "trainer.stage_timeout_s") -> list[Any]:
     """Results in rank order; the FIRST failure is raised at once (the other ranks may be stuck in a
     collective waiting for the failed one, so waiting for all would turn an error into a hang)."""
     deadline = time.monotonic() + timeout_s
@@ -229,7 +230,7 @@ def _gather(refs: list[Any], method: str, timeout_s: float) -> list[Any]:
         if not ready:
             ranks = sorted(rank_of[r] for r in pending)
             raise EngineHungError(f"rank(s) {ranks} made no progress in {method} for {timeout_s:g} s "
-                                  "(trainer.stage_timeout_s): declared hung")
+                                  f"({setting}): declared hung")
         ref = ready[0]
         results[rank_of[ref]] = _get(ref, rank_of[ref], method, 0.0)
     return [results[rank] for rank in range(len(refs))]

@@ -98,15 +98,16 @@ def test_engine_rank_killed_mid_update(cli: Cli, tiny_model_dir: Path, tmp_path:
 
 def test_hung_rank_mid_update_is_restarted(cli: Cli, tiny_model_dir: Path, tmp_path: Path, reference: dict) -> None:
     """Rank 1 stops itself (SIGSTOP) after its first backward of iteration 2: alive, but hung, and rank
-    0 blocks in the gradient collective. After trainer.stage_timeout_s the engine is declared hung,
+    0 blocks in the gradient collective. After the update stage's timeout (trainer.stage_timeouts, here
+    20 s; the other stages keep the default) the engine is declared hung,
     stopped, restarted, restored and replayed; the iteration runs again reusing its finished stages."""
     start = time.monotonic()
     proc = cli("train", *args(tiny_model_dir, str(tmp_path), "hung", "debug.stop_rank_mid_update=1",
-                              "debug.kill_iteration=2", "trainer.stage_timeout_s=20"))
+                              "debug.kill_iteration=2", "trainer.stage_timeouts={update_policy: 20}"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     logs = proc.stdout + proc.stderr
     assert ("iteration 2: the engine failed (rank(s) [0, 1] made no progress in update_actor for 20 s "
-            "(trainer.stage_timeout_s): declared hung); restart 1 of 2") in logs, logs[-3000:]
+            "(trainer.stage_timeouts.update_policy): declared hung); restart 1 of 2") in logs, logs[-3000:]
     line = json.loads((tmp_path / "hung" / "metrics" / "iter_000002.json").read_text())
     assert line["engine/restarts"] == 1 and line["engine/hung_restarts"] == 1 and line["engine/restart_s"] > 0
     assert "engine/restarts" not in json.loads((tmp_path / "hung" / "metrics" / "iter_000003.json").read_text())
