@@ -116,7 +116,7 @@ def test_pipeline_spread_over_two_worker_nodes(cluster: Cluster, tiny_model_dir:
                                                reference: dict) -> None:
     root = f"s3://{s3_server.bucket}/cluster"
     proc = cluster.cli("train", *args(tiny_model_dir, root, "spread", "ray.placement=strict_spread",
-                                      "trainer.keep_engine=true"))
+                                      "placement.cpus_per_rank=1", "trainer.keep_engine=true"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     try:
         nodes = rank_nodes(cluster, "spread")
@@ -160,6 +160,7 @@ def test_lost_node_mid_update_waits_for_a_replacement(cluster: Cluster, tiny_mod
     start = time.monotonic()
     root = f"s3://{s3_server.bucket}/cluster"
     proc = cluster.cli.popen("train", *args(tiny_model_dir, root, "lost-node", "ray.placement=strict_spread",
+                                            "placement.cpus_per_rank=1",
                                             "debug.stop_rank_mid_update=1", "debug.kill_iteration=2",
                                             "trainer.stage_timeout_s=300", "trainer.capacity_timeout_s=300"))
     lines: list[str] = []
@@ -204,3 +205,44 @@ def test_lost_node_mid_update_waits_for_a_replacement(cluster: Cluster, tiny_mod
     assert {k: after[k] for k in before} == before  # nothing written before the loss was written again
     assert_same_weights(s3_weights(s3_server, "cluster", "lost-node"), reference)
     print(f"lost node: {time.monotonic() - start:.0f} s")
+
+
+def test_no_capacity_in_time_fails_then_resume_goes_on(cluster: Cluster, tiny_model_dir: Path, s3_server: Any,
+                                                      reference: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A node is lost mid-update and none comes back within trainer.capacity_timeout_s: the run fails with
+    one line naming the numbers. Once a node has joined, `rlflow train --resume` finishes the run
+    bit-identical to the single-node run."""
+    root = f"s3://{s3_server.bucket}/cluster"
+    proc = cluster.cli.popen("train", *args(tiny_model_dir, root, "no-capacity", "ray.placement=strict_spread",
+                                            "placement.cpus_per_rank=1",
+                                            "debug.stop_rank_mid_update=1", "debug.kill_iteration=2",
+                                            "trainer.capacity_timeout_s=15"))
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(proc.stdout or []), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 240
+        lost = None
+        while lost is None:
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(output)[-4000:]
+            lost = next((n for n in cluster.nodes if any(_state(p) == "T" for p in _descendants(n.status().node.pid))),
+                        None)
+            time.sleep(0.2)
+        for pid in _descendants(lost.status().node.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        cluster.nodes.remove(lost)
+        lost.down()
+        assert proc.wait(timeout=240) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        reader.join(timeout=10)
+    logs = "".join(output)
+    assert ("rlflow: error: the no-capacity/policy workers could not be placed within 15 s "
+            "(trainer.capacity_timeout_s): 2 ranks of 1 CPU each (STRICT_SPREAD): 1 of 2 ranks placeable on the "
+            "alive nodes; add nodes, then resume the run") in logs, logs[-4000:]
+    cluster.join(tmp_path_factory.mktemp("back"))
+    resumed = cluster.cli("train", "--resume", "no-capacity", f"storage.root={root}")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert_same_weights(s3_weights(s3_server, "cluster", "no-capacity"), reference)
