@@ -75,6 +75,7 @@ class DeploySpec:
     interval_s: float | None = None
     timezone: str | None = None
     collision: Collision = "enqueue"
+    pool: str | None = None  # a Prefect work pool (process type) whose workers execute the runs; None: rlflow serve
 
     def parameters(self) -> dict[str, Any]:
         return {"config_path": self.config_path, "overrides": self.overrides, "mode": self.mode,
@@ -295,7 +296,30 @@ def deploy(spec: DeploySpec) -> UUID:
     check_spec(spec)
     deployment = runner_deployment(spec.name, spec.parameters(), collision=spec.collision, cron=spec.cron,
                                    interval_s=spec.interval_s, timezone=spec.timezone)
-    return UUID(str(deployment.apply()))
+    if spec.pool is None:
+        return UUID(str(deployment.apply()))
+    ensure_work_pool(spec.pool)
+    # No code storage and no pull steps: a worker runs the flow by its module path, so rlflow must be
+    # installed where the worker runs (as on every Ray node).
+    return UUID(str(deployment.apply(work_pool_name=spec.pool)))
+
+
+def ensure_work_pool(name: str) -> None:
+    """The process work pool `name`, created when absent; another type is refused (it would run the flow
+    in a container or a job that is not a Ray driver here)."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            pool = client.read_work_pool(name)
+        except ObjectNotFound:
+            client.create_work_pool(WorkPoolCreate(name=name, type="process"))
+            return
+    if pool.type != "process":
+        raise ConfigError(f"--pool {name}: a work pool of type {pool.type!r}; rlflow deploys to process pools "
+                          "(the worker's process runs the flow as a Ray driver)")
 
 
 def read_deployments(names: list[str] | None = None) -> list[Any]:
@@ -329,7 +353,12 @@ def serve_deployments(names: list[str] | None = None, limit: int | None = None) 
     process stops: runs that come due meanwhile wait (Late) and execute, one at a time, once it is back."""
     from prefect import serve
 
-    deployments = [served(d) for d in read_deployments(names)]
+    found = read_deployments(names)
+    pooled = [d.name for d in found if d.work_pool_name]
+    if names and pooled:
+        raise ConfigError(f"deployment {', '.join(pooled)} runs on a work pool: its workers execute its runs "
+                          "(`prefect worker start --pool POOL`), not `rlflow serve`")
+    deployments = [served(d) for d in found if not d.work_pool_name]  # serving one would take it off its pool
     if not deployments:
         raise ConfigError("no rlflow deployments to serve: create one with `rlflow deploy`")
     print(f"rlflow: serving {', '.join(f'{FLOW_NAME}/{d.name}' for d in deployments)}", flush=True)

@@ -16,6 +16,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     when = parser.add_mutually_exclusive_group(required=True)
     when.add_argument("--cron", metavar="EXPR", help='a cron schedule, for example "0 2 * * *"')
     when.add_argument("--interval", type=float, metavar="SECONDS", help="a run every SECONDS")
+    parser.add_argument("--pool", metavar="NAME",
+                        help="deploy to this Prefect work pool (process type, created if absent): `prefect worker "
+                        "start --pool NAME` on a machine with rlflow installed executes the runs, instead of "
+                        "`rlflow serve`")
     parser.add_argument("--timezone", help="of the cron schedule (default UTC), for example Europe/Berlin")
     parser.add_argument("--name", help="the deployment and lineage (default: trainer.run_id, else trainer.project)")
     parser.add_argument("--mode", choices=("continue", "fresh"), default="continue",
@@ -47,7 +51,7 @@ def _deploy(args: argparse.Namespace) -> int:
         config_path=str(Path(path).resolve()) if path else None,  # the served run may start elsewhere
         overrides=_absolute_root(overrides, cfg.storage.root), mode=args.mode,
         base_checkpoint=args.base_checkpoint, cron=args.cron, interval_s=args.interval, timezone=args.timezone,
-        collision=args.collision)
+        collision=args.collision, pool=args.pool)
     check_spec(spec)  # before the stack starts
     info = ensure_stack(StackConfig(), cfg.ray)
     apply_connect_env(info)
@@ -56,7 +60,10 @@ def _deploy(args: argparse.Namespace) -> int:
         else f"every {args.interval:g} s"
     print(f"rlflow: deployment {FLOW_NAME}/{spec.name} ({deployment_id}), {when}, mode {spec.mode}, "
           f"one run at a time ({spec.collision})\n"
-          f"rlflow: `rlflow serve` executes its runs; Prefect UI {info.ui_url}/deployments/deployment/{deployment_id}")
+          + (f"rlflow: `prefect worker start --pool {spec.pool}` executes its runs, where rlflow is installed and the "
+             "stack's address is in the environment (`eval \"$(rlflow status --env)\"`)"
+             if spec.pool else "rlflow: `rlflow serve` executes its runs")
+          + f"; Prefect UI {info.ui_url}/deployments/deployment/{deployment_id}")
     return 0
 
 

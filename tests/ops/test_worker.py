@@ -1,0 +1,99 @@
+"""Deployments on a Prefect work pool, executed as Prefect users run them: `rlflow deploy --pool NAME`
+creates the (process) pool and the deployment, and a `prefect worker start --pool NAME` process, with the
+stack's address and Ray token only in its environment (`rlflow status --env`), executes the runs by
+the flow's module path: rlflow is installed there, no code is downloaded. A run that fails is retried
+through the call the UI's Retry button makes, and the retry, executed by the worker again, reuses
+every finished stage of the failed iteration."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tasks.stages import RETRIES
+from tests.ops.conftest import NEVER, Server, run_args, subflow_runs, task_states, trigger, wait_for
+from tests.services import Cli
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+POOL = "rlflow-test-pool"
+REUSED = ("generate_rollouts", "score_rewards", "compute_old_logprobs", "compute_advantages")
+FAULT = ["debug.fail_stage=update_policy", f"debug.fail_times={RETRIES + 1}", "debug.fail_iteration=2"]
+
+
+class Worker(Server):
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if "started!" in line or "Worker" in line and "started" in line:
+                self.ready.set()
+
+
+@contextmanager
+def worker(cli: Cli, stack_home: Path, home: Path) -> Iterator[Worker]:
+    """`prefect worker start --pool POOL` with the stack's connection settings in its environment, as
+    `eval "$(rlflow status --env)"` would put them; stopped by its PID."""
+    from infra.config import StackConfig
+    from infra.stack import LocalStack, connect_env
+
+    env = {**cli.env, **connect_env(LocalStack(StackConfig(home=str(stack_home))).status().info()),
+           "PREFECT_HOME": str(home), "PREFECT_WORKER_QUERY_SECONDS": "2", "PREFECT_WORKER_PREFETCH_SECONDS": "2"}
+    prefect = str(Path(sys.executable).with_name("prefect"))
+    proc = subprocess.Popen([prefect, "worker", "start", "--pool", POOL, "--type", "process"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    found = Worker(proc)
+    try:
+        if not found.ready.wait(120):
+            raise AssertionError(f"the Prefect worker did not start:\n{found.tail()}")
+        yield found
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def test_a_worker_executes_a_run_and_its_retry_reuses_finished_stages(
+        cli: Cli, tiny_model_dir: Path, tmp_path: Path, prefect: Any, stack_home: Path) -> None:
+    from prefect.states import AwaitingRetry
+
+    root = tmp_path / "runs"
+    proc = cli("deploy", *run_args(tiny_model_dir, root, "trainer.iterations_per_run=2", *FAULT), "--name", "pooled",
+               "--cron", NEVER, "--pool", POOL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"`prefect worker start --pool {POOL}` executes its runs" in proc.stdout
+    deployment = prefect.read_deployment_by_name("rlflow-scheduled/pooled")
+    assert deployment.work_pool_name == POOL and prefect.read_work_pool(POOL).type == "process"
+    assert not any(k.startswith(("AWS_", "RAY_")) for k in map(str, deployment.parameters))
+    served = cli("serve", "pooled")  # `rlflow serve` would take the deployment off its pool: refused
+    assert served.returncode == 2 and "runs on a work pool" in served.stderr, served.stderr[-2000:]
+    try:
+        with worker(cli, stack_home, tmp_path / "worker-home") as running:
+            run = wait_for(prefect, trigger(prefect, "pooled").id, lambda s: s.is_final(), running)
+            assert run.state.is_failed(), f"{run.state.name}: {run.state.message}\n{running.tail()}"
+            assert run.work_pool_name == POOL
+            rollout = root / "pooled" / "buffers" / "iter_000002" / "rollout.parquet"
+            before = (rollout.stat().st_mtime_ns, rollout.read_bytes())
+            assert prefect.set_flow_run_state(run.id, AwaitingRetry(message="retried")).status.value == "ACCEPT"
+            done = wait_for(prefect, run.id, lambda s: s.is_final() and s.name != "AwaitingRetry", running)
+            assert done.state.is_completed(), f"{done.state.name}: {done.state.message}\n{running.tail()}"
+    finally:
+        cli("engine", "stop", "pooled")
+    assert done.run_count == 2
+    retried = subflow_runs(prefect, run.id)[-1]
+    iteration = [r for r in subflow_runs(prefect, retried.id) if r.name == "iter-000002"]
+    states = task_states(prefect, iteration[0].id)
+    assert {stage: states.get(stage) for stage in REUSED} == dict.fromkeys(REUSED, "Cached"), states
+    assert (rollout.stat().st_mtime_ns, rollout.read_bytes()) == before  # not regenerated
+    assert (root / "pooled" / "metrics" / "iter_000002.json").exists()
