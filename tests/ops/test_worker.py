@@ -1,16 +1,19 @@
 """Deployments on a Prefect work pool, executed as Prefect users run them: `rlflow deploy --pool NAME`
 creates the (process) pool and the deployment, and a `prefect worker start --pool NAME` process, with the
 stack's address and Ray token only in its environment (`rlflow status --env`), executes the runs by
-the flow's module path: rlflow is installed there, no code is downloaded. A run that fails is retried
-through the call the UI's Retry button makes, and the retry, executed by the worker again, reuses
-every finished stage of the failed iteration."""
+the flow's module path: rlflow is installed there, no code is downloaded. A scheduled run that fails
+is retried through the call the UI's Retry button makes (tests/ops/test_ui_retry.py presses the real
+button on a served run; the button is the same for a worker's run), and the retry, executed by the
+worker again, reuses every finished stage of the failed iteration."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,7 +22,7 @@ from typing import Any
 import pytest
 
 from tasks.stages import RETRIES
-from tests.ops.conftest import NEVER, Server, run_args, subflow_runs, task_states, trigger, wait_for
+from tests.ops.conftest import Server, run_args, subflow_runs, task_states, wait_for
 from tests.services import Cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -64,13 +67,36 @@ def worker(cli: Cli, stack_home: Path, home: Path) -> Iterator[Worker]:
                 proc.wait()
 
 
+def _first_scheduled_run(client: Any, deployment_id: Any, running: Worker, timeout_s: float = 300) -> Any:
+    """The first run the schedule made, once the worker started it; the schedule is then paused and the
+    runs it made after that one are deleted."""
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter
+    from prefect.exceptions import ObjectNotFound
+
+    def runs() -> list[Any]:
+        found = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])),
+                                      flow_run_filter=FlowRunFilter())
+        return sorted(found, key=lambda r: r.expected_start_time)
+
+    deadline = time.monotonic() + timeout_s
+    while not (started := [r for r in runs() if r.start_time is not None]):
+        assert time.monotonic() < deadline, f"no scheduled run started:\n{running.tail()}"
+        time.sleep(1)
+    client.pause_deployment(deployment_id)
+    for later in runs():
+        if later.start_time is None:
+            with contextlib.suppress(ObjectNotFound):
+                client.delete_flow_run(later.id)
+    return started[0]
+
+
 def test_a_worker_executes_a_run_and_its_retry_reuses_finished_stages(
         cli: Cli, tiny_model_dir: Path, tmp_path: Path, prefect: Any, stack_home: Path) -> None:
     from prefect.states import AwaitingRetry
 
     root = tmp_path / "runs"
     proc = cli("deploy", *run_args(tiny_model_dir, root, "trainer.iterations_per_run=2", *FAULT), "--name", "pooled",
-               "--cron", NEVER, "--pool", POOL)
+               "--interval", "15", "--pool", POOL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"`prefect worker start --pool {POOL}` executes its runs" in proc.stdout
     deployment = prefect.read_deployment_by_name("rlflow-scheduled/pooled")
@@ -80,9 +106,10 @@ def test_a_worker_executes_a_run_and_its_retry_reuses_finished_stages(
     assert served.returncode == 2 and "runs on a work pool" in served.stderr, served.stderr[-2000:]
     try:
         with worker(cli, stack_home, tmp_path / "worker-home") as running:
-            run = wait_for(prefect, trigger(prefect, "pooled").id, lambda s: s.is_final(), running)
+            run = wait_for(prefect, _first_scheduled_run(prefect, deployment.id, running).id,
+                           lambda s: s.is_final(), running)
             assert run.state.is_failed(), f"{run.state.name}: {run.state.message}\n{running.tail()}"
-            assert run.work_pool_name == POOL
+            assert run.work_pool_name == POOL and run.auto_scheduled  # made by the schedule, run by the worker
             rollout = root / "pooled" / "buffers" / "iter_000002" / "rollout.parquet"
             before = (rollout.stat().st_mtime_ns, rollout.read_bytes())
             assert prefect.set_flow_run_state(run.id, AwaitingRetry(message="retried")).status.value == "ACCEPT"
