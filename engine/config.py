@@ -333,6 +333,11 @@ class RewardConfig(Section):
                             "many rows (lower it for slow rewards)")
     sandbox_timeout_s: float = Field(5.0, gt=0, description="wall clock for rewards that run code")
     sandbox_memory_mb: int = Field(256, gt=0, description="address-space cap for rewards that run code")
+    overlong_buffer_len: int = Field(0, ge=0, description="DAPO's overlong reward shaping: a response longer than "
+                                     "rollout.max_new_tokens minus this many tokens loses "
+                                     "overlong_penalty_factor x (its excess / this), linearly up to the limit; 0: off")
+    overlong_penalty_factor: float = Field(1.0, ge=0, description="the penalty of a response at the length limit "
+                                           "(needs overlong_buffer_len > 0)")
 
     @field_validator("function")
     @classmethod

@@ -172,6 +172,13 @@ class RLConfig(BaseModel):
         if not k and _differs_from_default(self.actor, "behavior_is_cap"):
             raise _cross("actor.behavior_is_cap", self.actor.behavior_is_cap, "corrects stale rollouts: it needs "
                          "trainer.max_staleness >= 1 (an on-policy run has none)")
+        buffer = self.reward.overlong_buffer_len
+        if buffer and buffer >= self.rollout.max_new_tokens:
+            raise _cross("reward.overlong_buffer_len", buffer, f"must be below rollout.max_new_tokens "
+                         f"({self.rollout.max_new_tokens}): the penalty starts that many tokens before the limit")
+        if not buffer and _differs_from_default(self.reward, "overlong_penalty_factor"):
+            raise _cross("reward.overlong_penalty_factor", self.reward.overlong_penalty_factor,
+                         "scales the overlong penalty: it needs reward.overlong_buffer_len > 0")
         if k and self.algorithm.kl_ctrl == "adaptive":
             raise _cross("trainer.max_staleness", k, "cannot be combined with algorithm.kl_ctrl=adaptive (the "
                          "coefficient of iteration i comes from i-1, which is still running); use fixed")

@@ -28,6 +28,7 @@ from engine.batch import Batch
 from engine.errors import EngineDeadError, RewardError, VersionMismatchError
 from engine.models import decode_responses
 from engine.rewards import score_batch
+from engine.rewards.shaping import overlong_penalty
 from infra.buffers import BufferRef, load_ref, read_buffer, write_buffer
 from infra.errors import ObjectNotFound
 from tasks.context import RunPlan, StageContext, context
@@ -241,8 +242,15 @@ def score_rewards(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[
     batch = _inputs(ctx, stage, inputs)
     start = time.perf_counter()
     score = _score(ctx, batch)
+    metrics = {}
+    if ctx.plan.reward.overlong_buffer_len:  # DAPO's overlong shaping, on top of the rule score
+        penalty = overlong_penalty(batch["response_mask"].sum(dim=1), ctx.plan.rollout.max_new_tokens,
+                                   ctx.plan.reward.overlong_buffer_len, ctx.plan.reward.overlong_penalty_factor)
+        score = score + penalty
+        metrics = {"reward/overlong_penalty_mean": float(penalty.mean()),
+                   "reward/overlong_share": float((penalty < 0).float().mean())}
     out = Batch({"score": score, "token_scores": at_last_token(score, batch["response_mask"])}, {})
-    return _write(ctx, iteration, stage, out, {"timing_s/reward": time.perf_counter() - start})
+    return _write(ctx, iteration, stage, out, {"timing_s/reward": time.perf_counter() - start, **metrics})
 
 
 @stage_task("score_baseline")

@@ -108,9 +108,28 @@ def every_path(cli: Cli, tiny_model_dir: Path, root: Path) -> tuple[Run, Path]:
                 "actor.kl_loss_coef=0.1", "actor.entropy_coeff=0.01", "actor.policy_loss=gspo",
                 "actor.loss_agg_mode=seq-mean-token-mean", "actor.ppo_epochs=2", "actor.clip_low=0.001",
                 "actor.clip_high=0.001", "trainer.val_every=2", "trainer.iterations_per_run=2",
-                f"algorithm.extra_stages={HERE / 'stages.py'}:brevity", iterations=2,
+                f"algorithm.extra_stages={HERE / 'stages.py'}:brevity", "reward.overlong_buffer_len=3",
+                "reward.overlong_penalty_factor=0.5", iterations=2,
                 env={"RLFLOW_CONFIG_READS": str(reads)})  # fmt: skip
     return run, reads
+
+
+def test_overlong_shaping_is_in_the_scores(every_path: tuple[Run, Path]) -> None:
+    """DAPO's overlong shaping: the reward buffer's score is the rule's plus the penalty of its length
+    (max_new_tokens 8, buffer 3, factor 0.5: -1/6 per token over 5)."""
+    from tests.pipeline.rewards import digit_share
+
+    run, _ = every_path
+    for i in range(1, run.iterations + 1):
+        rollout, reward = run.buffer(i, "rollout"), run.buffer(i, "reward")
+        lengths = rollout["response_mask"].sum(dim=1)
+        rule = torch.tensor([digit_share(s, t, g, e) for s, t, g, e in zip(
+            rollout["data_source"], rollout["response_text"], rollout["ground_truth"], rollout["extra_info"],
+            strict=True)])  # fmt: skip
+        penalty = torch.clamp(-(lengths.float() - 5) / 3 * 0.5, max=0.0)
+        assert torch.allclose(reward["score"], rule + penalty, atol=1e-6)
+        assert run.metrics(i)["reward/overlong_penalty_mean"] == pytest.approx(float(penalty.mean()), abs=1e-6)
+    assert any(run.metrics(i)["reward/overlong_share"] > 0 for i in range(1, run.iterations + 1))
 
 
 def test_kl_loss_entropy_bonus_and_gspo(every_path: tuple[Run, Path]) -> None:
