@@ -124,17 +124,21 @@ def test_a_killed_controller_is_marked_crashed_by_its_missing_heartbeat(cli: Cli
 
     from flows.liveness import AUTOMATION, WINDOW_S
 
-    proc = cli("train", *args(tiny_model_dir, str(tmp_path), "zombie", "debug.kill_flow_after=generate_rollouts",
-                              "debug.kill_iteration=2"))
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-    assert prefect.read_automations_by_name(AUTOMATION)
-    deadline = time.monotonic() + WINDOW_S + 90
-    while True:
-        (run,) = prefect.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["zombie"])))
-        if run.state.is_final() or time.monotonic() > deadline:
-            break
-        time.sleep(2)
-    assert run.state.name == "Crashed" and f"no heartbeat for {WINDOW_S} s" in run.state.message, run.state
+    try:
+        proc = cli("train", *args(tiny_model_dir, str(tmp_path), "zombie", "debug.kill_flow_after=generate_rollouts",
+                                  "debug.kill_iteration=2"))
+        assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+        assert prefect.read_automations_by_name(AUTOMATION)
+        deadline = time.monotonic() + WINDOW_S + 90
+        while True:
+            (run,) = prefect.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["zombie"])))
+            if run.state.is_final() or time.monotonic() > deadline:
+                break
+            time.sleep(2)
+        assert run.state.name == "Crashed" and f"no heartbeat for {WINDOW_S} s" in run.state.message, run.state
+    finally:  # nothing resumes the run: its detached engine would hold the cluster's CPUs for the next tests
+        stopped = cli("engine", "stop", "zombie")
+        assert stopped.returncode == 0, stopped.stderr[-2000:]
 
 
 def test_flow_process_killed_mid_iteration_then_resumed(cli: Cli, tiny_model_dir: Path, tmp_path: Path,
