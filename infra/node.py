@@ -49,10 +49,11 @@ def main(argv: list[str] | None = None) -> None:
     ports: dict[str, Any] = {name: _free_port() for name in (
         "node_manager_port", "object_manager_port", "metrics_agent_port", "metrics_export_port",
         "dashboard_agent_listen_port", "runtime_env_agent_port")}
-    params = RayParams(gcs_address=args.address, node_ip_address="127.0.0.1", num_cpus=args.num_cpus, num_gpus=0,
-                       resources=json.loads(args.resources), object_store_memory=args.object_store_mb * 2**20,
-                       min_worker_port=0, max_worker_port=0, include_log_monitor=False, temp_dir=args.temp_dir,
-                       **ports)  # fmt: skip
+    settings: dict[str, Any] = {  # include_log_monitor=False as ray.cluster_utils passes it (one per machine)
+        "gcs_address": args.address, "node_ip_address": "127.0.0.1", "num_cpus": args.num_cpus, "num_gpus": 0,
+        "resources": json.loads(args.resources), "object_store_memory": args.object_store_mb * 2**20,
+        "min_worker_port": 0, "max_worker_port": 0, "include_log_monitor": False, "temp_dir": args.temp_dir, **ports}
+    params = RayParams(**settings)
     node = Node(params, head=False, shutdown_at_exit=True, spawn_reaper=True)
 
     def stop(*_: Any) -> None:
