@@ -291,10 +291,12 @@ def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str
             max_response_length=cfg.rollout.max_new_tokens, total_iterations=cfg.trainer.total_iterations,
             seed=cfg.trainer.seed,
         )
+    timeout_s, timeout_setting = cfg.stage_timeout()
     return EngineSpec(
         run_id=run_id, config_hash=cfg.config_hash(), world_size=cfg.trainer.world_size,
         num_cpus_per_rank=float(threads), placement=cfg.ray.placement, namespace=cfg.ray.namespace,
-        timeout_s=cfg.stage_timeout()[0], timeout_setting=cfg.stage_timeout()[1], capacity_timeout_s=cfg.trainer.capacity_timeout_s, policy=policy, critic=critic, rollout_ranks=rollout_ranks,
+        timeout_s=timeout_s, timeout_setting=timeout_setting, capacity_timeout_s=cfg.trainer.capacity_timeout_s,
+        policy=policy, critic=critic, rollout_ranks=rollout_ranks,
         rollout_num_cpus_per_rank=float(threads), sync_bucket_mb=place.sync_bucket_mb,
     )
 

@@ -20,18 +20,11 @@ import argparse
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from typing import Any
 
 READY_LINE = "rlflow node ready"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -45,6 +38,8 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # the node IP stays 127.0.0.1 (read at import)
     from ray._private.node import Node
     from ray._private.parameter import RayParams
+
+    from infra.stack import _free_port  # here: infra.stack imports this module
 
     ports: dict[str, Any] = {name: _free_port() for name in (
         "node_manager_port", "object_manager_port", "metrics_agent_port", "metrics_export_port",

@@ -151,55 +151,69 @@ def _state(pid: int) -> str:
         return "gone"
 
 
-def test_lost_node_mid_update_waits_for_a_replacement(cluster: Cluster, tiny_model_dir: Path, s3_server: Any,
-                                                      reference: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Rank 1 stops mid-update of iteration 2 (so the update is surely in flight); then every process of
-    its node (the node runner, its raylet, object store, agents and workers) is SIGKILLed. The run
-    restarts the engine, waits for capacity with a status line, and goes on once a replacement node
-    joins: bit-identical to the single-node run, every buffer written before the loss kept as it was."""
-    start = time.monotonic()
-    root = f"s3://{s3_server.bucket}/cluster"
-    proc = cluster.cli.popen("train", *args(tiny_model_dir, root, "lost-node", "ray.placement=strict_spread",
-                                            "placement.cpus_per_rank=1",
-                                            "debug.stop_rank_mid_update=1", "debug.kill_iteration=2",
-                                            "trainer.stage_timeout_s=300", "trainer.capacity_timeout_s=300"))
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True)
-    reader.start()
+class Watched:
+    """A `rlflow train` in the background on the cluster, its output read as it comes."""
 
-    def wait_for(what: str, found: Any, timeout_s: float = 240) -> Any:
+    def __init__(self, cluster: Cluster, *train_args: str) -> None:
+        self.proc = cluster.cli.popen("train", *train_args)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout or []), daemon=True)
+        self.reader.start()
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, what: str, found: Any, timeout_s: float = 240) -> Any:
         deadline = time.monotonic() + timeout_s
         while not (got := found()):
-            assert proc.poll() is None, f"the run ended ({proc.returncode}) before {what}:\n{''.join(lines)[-4000:]}"
-            assert time.monotonic() < deadline, f"no {what} within {timeout_s} s:\n{''.join(lines)[-4000:]}"
+            assert self.proc.poll() is None, f"the run ended ({self.proc.returncode}) before {what}:\n{self.output()[-4000:]}"
+            assert time.monotonic() < deadline, f"no {what} within {timeout_s} s:\n{self.output()[-4000:]}"
             time.sleep(0.2)
         return got
 
-    try:
-        def stopped_node() -> Any:
-            for node in cluster.nodes:
-                pid = node.status().node.pid
-                if any(_state(p) == "T" for p in _descendants(pid)):
-                    return node
-            return None
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.reader.join(timeout=10)
 
-        lost = wait_for("stopped rank", stopped_node)
+
+def node_of_the_stopped_rank(cluster: Cluster, run: Watched) -> Any:
+    """The node whose rank has stopped itself mid-update (debug.stop_rank_mid_update), once it has."""
+    return run.wait_for("stopped rank", lambda: next(
+        (n for n in cluster.nodes if any(_state(p) == "T" for p in _descendants(n.status().node.pid))), None))
+
+
+def lose(cluster: Cluster, node: Any) -> None:
+    """SIGKILL every process of `node` (the node runner, its raylet, object store, agents and workers);
+    it leaves the cluster."""
+    for pid in _descendants(node.status().node.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    cluster.nodes.remove(node)
+    node.down()  # its state folder forgets the dead node
+
+
+def test_lost_node_mid_update_waits_for_a_replacement(cluster: Cluster, tiny_model_dir: Path, s3_server: Any,
+                                                      reference: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Rank 1 stops mid-update of iteration 2 (so the update is surely in flight); then its node is lost.
+    The run restarts the engine, waits for capacity with a status line, and goes on once a replacement
+    node joins: bit-identical to the single-node run, every buffer written before the loss kept as it was."""
+    start = time.monotonic()
+    root = f"s3://{s3_server.bucket}/cluster"
+    run = Watched(cluster, *args(tiny_model_dir, root, "lost-node", "ray.placement=strict_spread",
+                                 "placement.cpus_per_rank=1", "debug.stop_rank_mid_update=1", "debug.kill_iteration=2",
+                                 "trainer.stage_timeout_s=300", "trainer.capacity_timeout_s=300"))
+    try:
+        lost = node_of_the_stopped_rank(cluster, run)
         before = s3_buffer_times(s3_server, "cluster", "lost-node")
-        for pid in _descendants(lost.status().node.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        cluster.nodes.remove(lost)
-        lost.down()  # its state folder forgets the dead node
-        wait_for("capacity line", lambda: any("waiting for capacity: the lost-node/policy workers need 2 ranks of "
-                                              "1 CPU each (STRICT_SPREAD): 1 of 2 ranks placeable" in line
-                                              for line in lines))
+        lose(cluster, lost)
+        run.wait_for("capacity line", lambda: "waiting for capacity: the lost-node/policy workers need 2 ranks of "
+                                              "1 CPU each (STRICT_SPREAD): 1 of 2 ranks placeable" in run.output())
         cluster.join(tmp_path_factory.mktemp("replacement"))
-        assert proc.wait(timeout=300) == 0, "".join(lines)[-4000:]
+        assert run.proc.wait(timeout=300) == 0, run.output()[-4000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        reader.join(timeout=10)
-    logs = "".join(lines)
+        run.close()
+    logs = run.output()
     assert "iteration 2: the engine failed (rank 1 " in logs, logs[-3000:]
     after = s3_buffer_times(s3_server, "cluster", "lost-node")
     assert {k: after[k] for k in before} == before  # nothing written before the loss was written again
@@ -213,32 +227,15 @@ def test_no_capacity_in_time_fails_then_resume_goes_on(cluster: Cluster, tiny_mo
     one line naming the numbers. Once a node has joined, `rlflow train --resume` finishes the run
     bit-identical to the single-node run."""
     root = f"s3://{s3_server.bucket}/cluster"
-    proc = cluster.cli.popen("train", *args(tiny_model_dir, root, "no-capacity", "ray.placement=strict_spread",
-                                            "placement.cpus_per_rank=1",
-                                            "debug.stop_rank_mid_update=1", "debug.kill_iteration=2",
-                                            "trainer.capacity_timeout_s=15"))
-    output: list[str] = []
-    reader = threading.Thread(target=lambda: output.extend(proc.stdout or []), daemon=True)
-    reader.start()
+    run = Watched(cluster, *args(tiny_model_dir, root, "no-capacity", "ray.placement=strict_spread",
+                                 "placement.cpus_per_rank=1", "debug.stop_rank_mid_update=1", "debug.kill_iteration=2",
+                                 "trainer.capacity_timeout_s=15"))
     try:
-        deadline = time.monotonic() + 240
-        lost = None
-        while lost is None:
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(output)[-4000:]
-            lost = next((n for n in cluster.nodes if any(_state(p) == "T" for p in _descendants(n.status().node.pid))),
-                        None)
-            time.sleep(0.2)
-        for pid in _descendants(lost.status().node.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        cluster.nodes.remove(lost)
-        lost.down()
-        assert proc.wait(timeout=240) != 0
+        lose(cluster, node_of_the_stopped_rank(cluster, run))
+        assert run.proc.wait(timeout=240) != 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        reader.join(timeout=10)
-    logs = "".join(output)
+        run.close()
+    logs = run.output()
     assert ("rlflow: error: the no-capacity/policy workers could not be placed within 15 s "
             "(trainer.capacity_timeout_s): 2 ranks of 1 CPU each (STRICT_SPREAD): 1 of 2 ranks placeable on the "
             "alive nodes; add nodes, then resume the run") in logs, logs[-4000:]
