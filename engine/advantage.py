@@ -26,22 +26,28 @@ def make_kl_controller(cfg: AlgorithmConfig) -> algos.FixedKLController | algos.
 
 
 def compute_advantages(
-    batch: Batch, cfg: AlgorithmConfig, kl_coef: float, extra_scores: Mapping[str, float] | None = None
+    batch: Batch, cfg: AlgorithmConfig, kl_coef: float, extra_scores: Mapping[str, float] | None = None,
+    cost_coef: float | None = None,
 ) -> tuple[Batch, dict[str, float]]:
     """(batch with token_rewards/adv/returns, metrics). `kl_coef` is the controller's current value.
 
     extra_scores: {column: weight} of further per-response scores [B] (user stages with a reward
-    weight) added, weighted, to `token_scores` at each response's last token first; the batch's
-    `token_scores` is then the combined score."""
+    weight) added, weighted, to `token_scores` at each response's last token first. cost_coef: safe
+    RL's Lagrange multiplier lambda; the score becomes (score - lambda * cost) / (1 + lambda), with
+    `cost` [B]. The batch's `token_scores` is then the combined score."""
     mask = batch["response_mask"]
     token_scores = batch["token_scores"].float()
-    if extra_scores:
-        last = (mask.sum(-1) - 1).clamp(min=0).unsqueeze(1)  # [B, 1]
-        for column, weight in extra_scores.items():
-            token_scores = token_scores.scatter_add(1, last, weight * batch[column].float().unsqueeze(1))
-        batch = batch.with_tensors(token_scores=token_scores)
-    token_rewards = token_scores
+    last = (mask.sum(-1) - 1).clamp(min=0).unsqueeze(1)  # [B, 1]
     metrics: dict[str, float] = {}
+    for column, weight in (extra_scores or {}).items():
+        token_scores = token_scores.scatter_add(1, last, weight * batch[column].float().unsqueeze(1))
+    if cost_coef is not None:
+        score = token_scores.sum(-1)
+        combined = algos.lagrangian_scores(score, batch["cost"], cost_coef)
+        token_scores = torch.zeros_like(token_scores).scatter(1, last, combined.unsqueeze(1))
+        metrics.update({"safety/reward/mean": float(score.mean()), "safety/lagrangian_score/mean": float(combined.mean())})
+    batch = batch.with_tensors(token_scores=token_scores)
+    token_rewards = token_scores
     if cfg.use_kl_in_reward:
         token_rewards, stats = algos.apply_kl_penalty(
             token_scores=token_rewards, logp=batch["old_logp"], ref_logp=batch["ref_logp"],

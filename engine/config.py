@@ -294,6 +294,20 @@ class AlgorithmConfig(Section):
     kl_coef: float = Field(0.001, ge=0)
     kl_target: float = Field(0.1, gt=0, description="adaptive controller target KL")
     kl_horizon: int = Field(10000, gt=0, description="adaptive controller horizon")
+    filter_groups: bool = Field(
+        False, description="DAPO's dynamic sampling: a group whose responses all get the same reward (rule score "
+        "after shaping) carries no signal and is dropped, and the rollout draws the sampler's next prompts until "
+        "data.train_batch_size groups are kept or max_num_gen_batches draws were made")
+    max_num_gen_batches: int = Field(
+        10, ge=1, description="dynamic sampling: the most prompt batches one iteration draws; a batch still short "
+        "after them is filled with dropped groups (zero advantage: no signal), counted in sampling/groups_filled")
+    cost_limit: float | None = Field(
+        None, description="safe RL (Safe-RLHF's Lagrangian): the limit d on the mean cost of reward.cost_function; "
+        "the advantages use (reward - lambda * cost) / (1 + lambda), and lambda follows the cost above the limit")
+    lagrange_init: float = Field(1.0, ge=0, description="safe RL: the Lagrange multiplier lambda before iteration 1")
+    lagrange_lr: float = Field(0.1, gt=0, description="safe RL: each iteration, lambda <- clamp(lambda + lagrange_lr "
+                               "* (mean cost - cost_limit), 0, lagrange_max), from the iteration's own responses")
+    lagrange_max: float = Field(100.0, gt=0, description="safe RL: the largest lambda")
     extra_stages: list[str] = Field(
         default_factory=list,
         description="your own stages, each 'module:function' or 'path/to/file.py:function' decorated with "
@@ -328,6 +342,9 @@ class RewardConfig(Section):
         description="a custom reward 'module:function' or 'path/to/file.py:function'; "
         "default: the registry, dispatched on each row's data_source",
     )
+    cost_function: str | None = Field(
+        None, description="safe RL: a cost per response, 'module:function' or 'path/to/file.py:function' with a "
+        "reward's signature, scored in its own stage (buffer `cost`); needs algorithm.cost_limit")
     chunk_size: int = Field(512, gt=0, description="rows per scoring task: a batch of at most this many rows "
                             "is scored in the stage's own process, a larger one in parallel Ray tasks of this "
                             "many rows (lower it for slow rewards)")
@@ -339,7 +356,7 @@ class RewardConfig(Section):
     overlong_penalty_factor: float = Field(1.0, ge=0, description="the penalty of a response at the length limit "
                                            "(needs overlong_buffer_len > 0)")
 
-    @field_validator("function")
+    @field_validator("function", "cost_function")
     @classmethod
     def _absolute_function(cls, value: str | None) -> str | None:
         return absolute_file_spec(value) if value is not None else None

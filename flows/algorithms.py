@@ -34,6 +34,9 @@ def stages_for(cfg: RLConfig) -> list[StageSpec]:
                                                            "baseline_response_text")))
     stages.append(StageSpec(name="score_rewards", task="score_rewards", reads=(*SCORED, "response_mask"),
                             writes=("score", "token_scores"), buffer="reward"))
+    if cfg.safe_rl:  # safe RL: the cost of each response, next to its reward
+        stages.append(StageSpec(name="score_costs", task="score_costs", reads=SCORED, writes=("cost",),
+                                buffer="cost"))
     if spec.needs_baseline:
         stages.append(StageSpec(name="score_baseline", task="score_baseline", buffer="baseline_reward",
                                 reads=("baseline_response_text", "data_source", "ground_truth", "extra_info"),
@@ -62,6 +65,8 @@ def stages_for(cfg: RLConfig) -> list[StageSpec]:
     adv_reads = [*SEQUENCES, "row_index", "group_id", "token_scores", *carried, *extra_scores]
     if spec.needs_baseline:
         adv_reads.append("baseline_score")
+    if cfg.safe_rl:
+        adv_reads.append("cost")
     stages.append(StageSpec(name="compute_advantages", task="compute_advantages", reads=tuple(adv_reads),
                             writes=(*SEQUENCES, "row_index", "group_id", "token_scores", *carried,
                                     "token_rewards", "adv", "returns"), buffer="advantage"))

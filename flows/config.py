@@ -179,6 +179,12 @@ class RLConfig(BaseModel):
         if not buffer and _differs_from_default(self.reward, "overlong_penalty_factor"):
             raise _cross("reward.overlong_penalty_factor", self.reward.overlong_penalty_factor,
                          "scales the overlong penalty: it needs reward.overlong_buffer_len > 0")
+        self._check_safety()
+        if self.algorithm.filter_groups:
+            self._check_dynamic_sampling(spec.name)
+        elif _differs_from_default(self.algorithm, "max_num_gen_batches"):
+            raise _cross("algorithm.max_num_gen_batches", self.algorithm.max_num_gen_batches,
+                         "bounds dynamic sampling: it needs algorithm.filter_groups=true")
         if k and self.algorithm.kl_ctrl == "adaptive":
             raise _cross("trainer.max_staleness", k, "cannot be combined with algorithm.kl_ctrl=adaptive (the "
                          "coefficient of iteration i comes from i-1, which is still running); use fixed")
@@ -189,6 +195,42 @@ class RLConfig(BaseModel):
                 "needs a critic for its values: set critic.enable=true, or use a critic-free estimator",
             )
         return self
+
+    def _check_safety(self) -> None:
+        """A cost limit and a cost come together; the multiplier's settings need both."""
+        algo = self.algorithm
+        if algo.cost_limit is not None and self.reward.cost_function is None:
+            raise _cross("algorithm.cost_limit", algo.cost_limit, "limits a cost, and there is none: set "
+                         "reward.cost_function to a rule cost ('module:function')")
+        if self.reward.cost_function is not None and algo.cost_limit is None:
+            raise _cross("reward.cost_function", self.reward.cost_function, "is used only against a limit: set "
+                         "algorithm.cost_limit")
+        if algo.cost_limit is None:
+            for key in ("lagrange_init", "lagrange_lr", "lagrange_max"):
+                if _differs_from_default(algo, key):
+                    raise _cross(f"algorithm.{key}", getattr(algo, key), "sets the Lagrange multiplier of safe RL: "
+                                 "it needs algorithm.cost_limit and reward.cost_function")
+        elif algo.lagrange_init > algo.lagrange_max:
+            raise _cross("algorithm.lagrange_init", algo.lagrange_init, f"must be at most algorithm.lagrange_max "
+                         f"({algo.lagrange_max})")
+
+    @property
+    def safe_rl(self) -> bool:
+        return self.algorithm.cost_limit is not None
+
+    def _check_dynamic_sampling(self, estimator: str) -> None:
+        """What dynamic sampling is built for: groups of a rule-scored, on-policy, group-based run."""
+        if self.rollout.n < 2:
+            raise _cross("algorithm.filter_groups", True, "drops groups whose responses all score the same: it needs "
+                         "rollout.n >= 2 (a group of one always would be)")
+        if self.trainer.max_staleness:
+            raise _cross("algorithm.filter_groups", True, "is built for on-policy runs: the rollout of iteration i "
+                         "starts from the sampler step where i-1's ended, so it needs trainer.max_staleness=0")
+        from engine.algos import get_adv_estimator
+
+        if get_adv_estimator(estimator).needs_baseline:
+            raise _cross("algorithm.filter_groups", True, f"cannot be combined with algorithm.adv_estimator="
+                         f"{estimator}: its baseline stage draws the iteration's prompts again")
 
     def stage_timeout(self, stage: str | None = None) -> tuple[float, str]:
         """(seconds, the setting they come from) for an engine call of `stage` (None: outside a stage)."""

@@ -45,7 +45,7 @@ from infra.errors import IntegrityError
 from tasks.context import RunPlan, context
 from tasks.faults import maybe_kill_flow
 from tasks.runner import StageTaskRunner
-from tasks.stages import StageResult, save_checkpoint, task_for, validate
+from tasks.stages import StageResult, multiplier_before, sampler_start, save_checkpoint, task_for, validate
 
 log = logging.getLogger("rlflow.train")
 
@@ -167,7 +167,11 @@ class Trainer:
         return self.run.cfg
 
     def trainer_state(self, iteration: int) -> dict[str, Any]:
-        return {"iteration": iteration, "sampler_steps": iteration, "kl_ctrl": self.kl.state_dict(),
+        # Dynamic sampling draws a varying number of sampler steps: where the iteration's rollout ended.
+        steps = sampler_start(context(self.plan), iteration + 1) if self.plan.algorithm.filter_groups else iteration
+        safety = ({"lagrange_lambda": multiplier_before(context(self.plan), iteration + 1)}
+                  if self.plan.algorithm.cost_limit is not None else {})
+        return {"iteration": iteration, "sampler_steps": steps, **safety, "kl_ctrl": self.kl.state_dict(),
                 "config_hash": self.plan.config_hash}
 
 

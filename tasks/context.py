@@ -102,7 +102,11 @@ class StageContext:
 
     def prompt_batch(self, iteration: int) -> Batch:
         """Iteration k's prompts (the sampler's step k-1), each repeated rollout.n times in a group."""
-        indices = self.sampler_at(iteration - 1).next_indices()
+        return self.prompts_at_step(iteration - 1)
+
+    def prompts_at_step(self, step: int) -> Batch:
+        """The prompts of the sampler's step `step`, each repeated rollout.n times in a group."""
+        indices = self.sampler_at(step).next_indices()
         rows = [self.dataset("train")[i] for i in indices]
         return self._encode(rows, indices).repeat_interleave(self.plan.rollout.n)
 

@@ -24,7 +24,9 @@ from pydantic import BaseModel
 
 from engine.advantage import compute_advantages as advantage_math
 from engine.advantage import data_metrics
+from engine.algos import update_multiplier
 from engine.batch import Batch
+from engine.config import RewardConfig
 from engine.errors import EngineDeadError, RewardError, VersionMismatchError
 from engine.models import decode_responses
 from engine.rewards import score_batch
@@ -163,18 +165,87 @@ def generate_rollouts(plan: RunPlan, iteration: int, stage: StageSpec, inputs: d
     maybe_fail(ctx, stage.name, iteration)
     if (done := _reuse(ctx, iteration, stage)) is not None:
         return done
-    prompts = ctx.prompt_batch(iteration)
     version = ctx.rollout_version(iteration)
     start = time.perf_counter()
-    batch = ctx.engine(stage.name).generate(prompts, iteration=iteration, expected_version=version)
+    if ctx.plan.algorithm.filter_groups:
+        batch, metrics = _dynamic_sampling(ctx, iteration, stage, version)
+        tokens = metrics["perf/gen_tokens"]
+    else:
+        batch = ctx.engine(stage.name).generate(ctx.prompt_batch(iteration), iteration=iteration,
+                                                expected_version=version)
+        batch = batch.with_columns(response_text=decode_responses(ctx.tokenizer, batch["responses"]))
+        tokens = float(batch["response_mask"].sum())
+        metrics = {}
     gen_s = time.perf_counter() - start
-    texts = decode_responses(ctx.tokenizer, batch["responses"])
-    tokens = float(batch["response_mask"].sum())
-    metrics = {"timing_s/gen": gen_s, "perf/gen_tokens": tokens, "perf/gen_tokens_per_s": tokens / gen_s,
-               "async/rollout_version": float(version), "async/staleness": float(iteration - 1 - version)}
+    metrics.update({"timing_s/gen": gen_s, "perf/gen_tokens": tokens, "perf/gen_tokens_per_s": tokens / gen_s,
+                    "async/rollout_version": float(version), "async/staleness": float(iteration - 1 - version)})
     get_run_logger().info("iteration %d: generated %d responses in %.2f s with the weights of version %d",
                           iteration, len(batch), gen_s, version)
-    return _write(ctx, iteration, stage, batch.with_columns(response_text=texts), metrics)
+    return _write(ctx, iteration, stage, batch, metrics)
+
+
+def _dynamic_sampling(ctx: StageContext, iteration: int, stage: StageSpec, version: int
+                      ) -> tuple[Batch, dict[str, float]]:
+    """DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, section 3.2): draw the sampler's next
+    prompts, generate, score, and keep the groups whose rewards differ, until data.train_batch_size
+    groups are kept or algorithm.max_num_gen_batches batches were drawn; a batch still short is filled
+    with the last dropped groups. The iteration starts at the sampler step where the previous one ended
+    (recorded in its rollout buffer as sampling/next_step), so a replay draws the same prompts."""
+    want, n = ctx.plan.data.train_batch_size, ctx.plan.rollout.n
+    step = sampler_start(ctx, iteration)
+    engine = ctx.engine(stage.name)
+    kept: list[Batch] = []
+    dropped: list[Batch] = []
+    drawn = tokens = 0.0
+    draws = 0
+    while sum(len(b) for b in kept) < want * n and draws < ctx.plan.algorithm.max_num_gen_batches:
+        out = engine.generate(ctx.prompts_at_step(step), iteration=iteration, expected_version=version, draw=draws)
+        step, draws = step + 1, draws + 1
+        out = out.with_columns(response_text=decode_responses(ctx.tokenizer, out["responses"]))
+        tokens += float(out["response_mask"].sum())
+        drawn += len(out) // n
+        varied = rule_scores(ctx, out)[0].view(-1, n).std(dim=1) > 0  # one flag per group
+        for g in range(len(varied)):
+            (kept if bool(varied[g]) else dropped).append(out.index(list(range(g * n, (g + 1) * n))))
+    kept_groups = min(len(kept), want)
+    filled = dropped[-(want - kept_groups):] if kept_groups < want else []
+    if filled:
+        get_run_logger().warning("iteration %d: dynamic sampling kept %d of %d groups after %d batches "
+                                 "(algorithm.max_num_gen_batches); %d dropped groups fill the batch", iteration,
+                                 kept_groups, want, draws, len(filled))
+    groups = (kept[:want] + filled)[:want]
+    width = max(g["prompt_ids"].shape[1] for g in groups)  # draws pad their prompts to their own longest
+    batch = Batch.concat([left_pad_prompts(g, width, ctx.tokenizer.pad_token_id) for g in groups])
+    batch = batch.with_tensors(group_id=torch.arange(want, dtype=torch.long).repeat_interleave(n))
+    metrics = {"sampling/gen_batches": float(draws), "sampling/groups_drawn": drawn,
+               "sampling/groups_kept": float(kept_groups), "sampling/groups_filled": float(len(filled)),
+               "sampling/next_step": float(step), "perf/gen_tokens": tokens}
+    get_run_logger().info("iteration %d: dynamic sampling kept %d of %d groups drawn in %d batches "
+                          "(sampler steps %d..%d)", iteration, len(kept), int(drawn), draws, step - draws, step - 1)
+    return batch, metrics
+
+
+def left_pad_prompts(batch: Batch, width: int, pad_id: int) -> Batch:
+    """A rollout batch with its prompts left padded to `width` tokens (attention 0 on the padding)."""
+    extra = width - batch["prompt_ids"].shape[1]
+    if extra == 0:
+        return batch
+    pad = torch.nn.functional.pad
+    return batch.with_tensors(prompt_ids=pad(batch["prompt_ids"], (extra, 0), value=pad_id),
+                              input_ids=pad(batch["input_ids"], (extra, 0), value=pad_id),
+                              attention_mask=pad(batch["attention_mask"], (extra, 0), value=0))
+
+
+def sampler_start(ctx: StageContext, iteration: int) -> int:
+    """The sampler step iteration `iteration`'s rollout draws first under dynamic sampling: where the
+    previous iteration's rollout ended (its buffer's record), 0 for the first."""
+    if iteration == 1:
+        return 0
+    ref = load_ref(ctx.store, ctx.plan.run_id, iteration - 1, "rollout")
+    if ref is None:
+        raise RuntimeError(f"dynamic sampling: iteration {iteration} draws from the sampler step where iteration "
+                           f"{iteration - 1}'s rollout ended, and that rollout buffer is not in storage")
+    return int(read_buffer(ctx.store, ref).meta["metrics"]["sampling/next_step"])
 
 
 @stage_task("generate_baseline")
@@ -211,24 +282,38 @@ def _score_chunk(sources: list[str], texts: list[str], truths: list[Any], extra:
                        row_offset=offset).scores
 
 
-def _score(ctx: StageContext, batch: Batch, text_key: str = "response_text") -> torch.Tensor:
-    """Scores [B] of `batch[text_key]`: in this process, or in chunks as parallel Ray tasks.
+def _score(ctx: StageContext, batch: Batch, text_key: str = "response_text", cfg: RewardConfig | None = None
+           ) -> torch.Tensor:
+    """Scores [B] of `batch[text_key]` by `cfg` (the run's reward by default): in this process, or in
+    chunks as parallel Ray tasks.
 
     One chunk is scored here: a Ray task for it would cost more than rule rewards take, and each
     extra num_cpus=0 task may start a worker process that competes with the next stage for the cores.
     """
-    size = ctx.plan.reward.chunk_size
+    cfg = cfg or ctx.plan.reward
+    size = cfg.chunk_size
     if len(batch) <= size:
         return torch.tensor(score_batch(batch["data_source"], batch[text_key], batch["ground_truth"],
-                                        batch["extra_info"], cfg=ctx.plan.reward).scores, dtype=torch.float32)
-    cfg = ctx.plan.reward.model_dump()
+                                        batch["extra_info"], cfg=cfg).scores, dtype=torch.float32)
+    dumped = cfg.model_dump()
     refs = [
         _score_chunk.remote(batch["data_source"][i:i + size], batch[text_key][i:i + size],
-                            batch["ground_truth"][i:i + size], batch["extra_info"][i:i + size], cfg, i)
+                            batch["ground_truth"][i:i + size], batch["extra_info"][i:i + size], dumped, i)
         for i in range(0, len(batch), size)
     ]
     scores = [s for chunk in ray.get(refs) for s in chunk]
     return torch.tensor(scores, dtype=torch.float32)
+
+
+def rule_scores(ctx: StageContext, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    """The rule reward of each response, with DAPO's overlong shaping on top when it is on, and its metrics."""
+    score = _score(ctx, batch)
+    if not ctx.plan.reward.overlong_buffer_len:
+        return score, {}
+    penalty = overlong_penalty(batch["response_mask"].sum(dim=1), ctx.plan.rollout.max_new_tokens,
+                               ctx.plan.reward.overlong_buffer_len, ctx.plan.reward.overlong_penalty_factor)
+    return score + penalty, {"reward/overlong_penalty_mean": float(penalty.mean()),
+                             "reward/overlong_share": float((penalty < 0).float().mean())}
 
 
 @stage_task("score_rewards")
@@ -241,16 +326,37 @@ def score_rewards(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[
         return done
     batch = _inputs(ctx, stage, inputs)
     start = time.perf_counter()
-    score = _score(ctx, batch)
-    metrics = {}
-    if ctx.plan.reward.overlong_buffer_len:  # DAPO's overlong shaping, on top of the rule score
-        penalty = overlong_penalty(batch["response_mask"].sum(dim=1), ctx.plan.rollout.max_new_tokens,
-                                   ctx.plan.reward.overlong_buffer_len, ctx.plan.reward.overlong_penalty_factor)
-        score = score + penalty
-        metrics = {"reward/overlong_penalty_mean": float(penalty.mean()),
-                   "reward/overlong_share": float((penalty < 0).float().mean())}
+    score, metrics = rule_scores(ctx, batch)
     out = Batch({"score": score, "token_scores": at_last_token(score, batch["response_mask"])}, {})
     return _write(ctx, iteration, stage, out, {"timing_s/reward": time.perf_counter() - start, **metrics})
+
+
+@stage_task("score_costs")
+def score_costs(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                kl_coef: float = 0.0) -> StageResult:
+    """Safe RL: a cost per response, `cost` [B], by reward.cost_function (scored as a reward is)."""
+    ctx = context(plan)
+    maybe_fail(ctx, stage.name, iteration)
+    if (done := _reuse(ctx, iteration, stage)) is not None:
+        return done
+    batch = _inputs(ctx, stage, inputs)
+    start = time.perf_counter()
+    cfg = ctx.plan.reward.model_copy(update={"function": ctx.plan.reward.cost_function})
+    cost = _score(ctx, batch, cfg=cfg)
+    return _write(ctx, iteration, stage, Batch({"cost": cost}, {}),
+                  {"timing_s/cost": time.perf_counter() - start, "safety/cost/mean": float(cost.mean())})
+
+
+def multiplier_before(ctx: StageContext, iteration: int) -> float:
+    """Safe RL: the Lagrange multiplier after iteration `iteration` - 1 (algorithm.lagrange_init before
+    the first), as that iteration's advantage buffer recorded it."""
+    if iteration == 1:
+        return ctx.plan.algorithm.lagrange_init
+    ref = load_ref(ctx.store, ctx.plan.run_id, iteration - 1, "advantage")
+    if ref is None:
+        raise RuntimeError(f"safe RL: iteration {iteration} updates the Lagrange multiplier of iteration "
+                           f"{iteration - 1}, and that iteration's advantage buffer is not in storage")
+    return float(read_buffer(ctx.store, ref).meta["metrics"]["safety/lambda"])
 
 
 @stage_task("score_baseline")
@@ -349,7 +455,16 @@ def compute_advantages(plan: RunPlan, iteration: int, stage: StageSpec, inputs: 
     batch = _inputs(ctx, stage, inputs)
     extra = {s.writes[0]: s.reward_weight for s in ctx.plan.stages if s.reward_weight is not None}
     start = time.perf_counter()
-    batch, metrics = advantage_math(batch, ctx.plan.algorithm, kl_coef, extra_scores=extra)
+    safety: dict[str, float] = {}
+    algo = ctx.plan.algorithm
+    if algo.cost_limit is not None:  # the Lagrangian's reward, with lambda stepped on this iteration's cost
+        mean_cost = float(batch["cost"].float().mean())
+        lam = update_multiplier(multiplier_before(ctx, iteration), mean_cost, algo.cost_limit, algo.lagrange_lr,
+                                algo.lagrange_max)
+        safety = {"safety/lambda": lam, "safety/cost/mean": mean_cost, "safety/cost_excess": mean_cost - algo.cost_limit}
+    batch, metrics = advantage_math(batch, ctx.plan.algorithm, kl_coef, extra_scores=extra,
+                                    cost_coef=safety.get("safety/lambda"))
+    metrics.update(safety)
     metrics["timing_s/adv"] = time.perf_counter() - start
     metrics.update(data_metrics(batch, ctx.plan.rollout.max_new_tokens))
     return _write(ctx, iteration, stage, batch.select(*stage.writes), metrics)

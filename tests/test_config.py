@@ -218,3 +218,34 @@ def test_stage_timeouts_default_scales_with_the_batch_and_is_set_per_stage() -> 
         check_stage_timeouts(load_config(None, ["trainer.stage_timeouts={update_critic: 20}"]))
     with pytest.raises(ConfigError, match="trainer.stage_timeouts"):
         load_config(None, ["trainer.stage_timeouts={update_policy: 0}"])
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["algorithm.max_num_gen_batches=3"], "algorithm.max_num_gen_batches=3 is not allowed: bounds dynamic sampling: "
+                                          "it needs algorithm.filter_groups=true"),
+    (["algorithm.filter_groups=true", "rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus"],
+     "algorithm.filter_groups=True is not allowed: drops groups whose responses all score the same: it needs rollout.n >= 2"),
+    (["algorithm.filter_groups=true", "placement.mode=split", "trainer.max_staleness=1"],
+     "algorithm.filter_groups=True is not allowed: is built for on-policy runs"),
+    (["algorithm.filter_groups=true", "algorithm.adv_estimator=remax"],
+     "algorithm.filter_groups=True is not allowed: cannot be combined with algorithm.adv_estimator=remax"),
+])
+def test_dynamic_sampling_outside_what_it_is_built_for_is_refused(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, overrides)
+    cfg = load_config(None, ["algorithm.filter_groups=true", "algorithm.max_num_gen_batches=3"])
+    assert build_config(json.loads(json.dumps(cfg.public_dict()))).config_hash() == cfg.config_hash()
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["algorithm.cost_limit=0.5"], "algorithm.cost_limit=0.5 is not allowed: limits a cost, and there is none: set "
+                                   "reward.cost_function"),
+    (["reward.cost_function=pkg.costs:length"], "reward.cost_function='pkg.costs:length' is not allowed: is used only "
+                                                "against a limit: set algorithm.cost_limit"),
+    (["algorithm.lagrange_lr=0.5"], "algorithm.lagrange_lr=0.5 is not allowed: sets the Lagrange multiplier of safe RL"),
+    (["algorithm.cost_limit=0.5", "reward.cost_function=pkg.costs:length", "algorithm.lagrange_init=200"],
+     "algorithm.lagrange_init=200.0 is not allowed: must be at most algorithm.lagrange_max (100.0)"),
+])
+def test_safe_rl_settings_without_a_cost_and_its_limit_are_refused(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, overrides)

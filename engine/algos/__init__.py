@@ -35,6 +35,7 @@ from engine.algos.kl import (
     kl_loss,
     kl_penalty,
 )
+from engine.algos.lagrange import lagrangian_scores, update_multiplier
 from engine.algos.masked import (
     entropy_from_logits,
     logprobs_from_logits,
@@ -55,6 +56,8 @@ from engine.algos.policy_loss import (
 from engine.algos.value import clipped_value_loss
 
 __all__ = [
+    "lagrangian_scores",
+    "update_multiplier",
     "ADV_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",

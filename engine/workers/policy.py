@@ -97,13 +97,13 @@ class PolicyWorker(RankWorker):
 
     # -- generation ---------------------------------------------------------------------------------
     @traced
-    def generate(self, prompts: Batch, *, iteration: int, expected_version: int | None, do_sample: bool = True
-                 ) -> Batch:
+    def generate(self, prompts: Batch, *, iteration: int, expected_version: int | None, do_sample: bool = True,
+                 draw: int = 0) -> Batch:
         """prompts: `input_ids`, `attention_mask` [B, P] left padded -> the batch with the response columns."""
         self.check_version(expected_version)
         with self._generating():
             return generate_batch(self.rollout, prompts, self.spec.rollout, seed=self.spec.seed, iteration=iteration,
-                                  rank=self.rank, do_sample=do_sample, version=self.version)
+                                  rank=self.rank, do_sample=do_sample, version=self.version, draw=draw)
 
     @contextmanager
     def _generating(self) -> Iterator[None]:
@@ -398,13 +398,13 @@ class PolicyWorker(RankWorker):
 
 
 def generate_batch(rollout: Any, prompts: Batch, cfg: RolloutConfig, *, seed: int, iteration: int, rank: int,
-                   do_sample: bool, version: int) -> Batch:
+                   do_sample: bool, version: int, draw: int = 0) -> Batch:
     """Responses to `prompts` in micro-batches of cfg.micro_batch_size, each sampled with a seed derived
-    from (run seed, iteration, stage, micro-batch, rank). Adds `prompt_ids`, `responses`, `response_mask`,
+    from (run seed, iteration, stage, draw, micro-batch, rank); the first draw's seeds leave the draw out. Adds `prompt_ids`, `responses`, `response_mask`,
     the full `input_ids` / `attention_mask` [B, P+T], the behaviour log-probs `rollout_logp` [B, T] and
     `rollout_version` [B] (the weights' version)."""
     params = SamplingParams(cfg.max_new_tokens, do_sample, cfg.temperature, cfg.top_p, cfg.top_k)
-    stage = "rollout" if do_sample else "rollout_greedy"
+    stage = ("rollout" if do_sample else "rollout_greedy") + (f"/draw{draw}" if draw else "")
     outs = []
     for i, micro in enumerate(prompts.chunks(cfg.micro_batch_size) if len(prompts) else []):
         micro_seed = derive_seed(seed, iteration, f"{stage}/{i}", rank)

@@ -45,12 +45,12 @@ class RolloutWorker(RankWorker):
         self.rollout = make_rollout(spec.rollout.name, self.model, int(self.tokenizer.pad_token_id), stops)
 
     @traced
-    def generate(self, prompts: Batch, *, iteration: int, expected_version: int | None, do_sample: bool = True
-                 ) -> Batch:
+    def generate(self, prompts: Batch, *, iteration: int, expected_version: int | None, do_sample: bool = True,
+                 draw: int = 0) -> Batch:
         """As PolicyWorker.generate, from this rank's copy at `expected_version`."""
         self.check_version(expected_version)
         return generate_batch(self.rollout, prompts, self.spec.rollout, seed=self.spec.seed, iteration=iteration,
-                              rank=self.rank, do_sample=do_sample, version=self.version)
+                              rank=self.rank, do_sample=do_sample, version=self.version, draw=draw)
 
     # -- weights -----------------------------------------------------------------------------------
     def join_sync_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:

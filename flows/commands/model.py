@@ -1,4 +1,5 @@
-"""`rlflow model make-tiny OUT_DIR`: build the project's own tiny model (engine/tiny.py)."""
+"""`rlflow model make-tiny OUT_DIR`: build the project's own tiny model (engine/tiny.py).
+`rlflow model make-tiny-rm OUT_DIR`: build its tiny reward model (engine/reward_model.py)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,27 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="supervised warm-start steps (default: tuned per task, engine.tiny.DEFAULT_STEPS; 0: untrained)",
     )
     make.set_defaults(func=_make_tiny)
+    rm = verbs.add_parser(
+        "make-tiny-rm",
+        help="build a tiny reward model (a sequence classifier) trained with a Bradley-Terry loss on synthetic "
+        "preference pairs of the sort task: the response that sorts more digits correctly is preferred",
+    )
+    rm.add_argument("out_dir", metavar="OUT_DIR", help="a new (or empty) directory")
+    rm.add_argument("--task", default="sort", choices=["sort"], help="synthetic task (sort: the one built)")
+    rm.add_argument("--seed", type=int, default=0, help="seed of the weights and the pairs (default 0)")
+    rm.add_argument("--steps", type=int, default=None, help="training steps of 64 pairs (default 300)")
+    rm.set_defaults(func=_make_tiny_rm)
+
+
+def _make_tiny_rm(args: argparse.Namespace) -> int:
+    from engine.reward_model import RM_STEPS, build_tiny_rm
+
+    report = build_tiny_rm(args.out_dir, task=args.task, seed=args.seed,
+                           steps=RM_STEPS if args.steps is None else args.steps)
+    print(f"built {args.out_dir}: a reward model of {report.num_parameters:,} parameters, task {report.task}, "
+          f"seed {report.seed}, {report.steps} steps in {report.build_seconds:.1f} s")
+    print(f"  held-out pairs ranked right: {report.held_out_pair_accuracy:.1%} of {report.held_out_pairs}")
+    return 0
 
 
 def _make_tiny(args: argparse.Namespace) -> int:

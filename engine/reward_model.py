@@ -1,0 +1,300 @@
+"""Learned reward models: a sequence classifier with one score that reads `prompt + response` as text.
+
+    scorer = RewardModelScorer(RewardModelSpec(path="runs/tiny-rm"))   # in a rank: sharded with FSDP2
+    scores = scorer.score(prompts, responses)                          # [B] float32
+
+The model is an `AutoModelForSequenceClassification` with `num_labels=1` (the score of the last real
+token), loaded without dropout. It reads the conversation through its OWN tokenizer and chat template:
+the prompt's messages plus the response as the assistant's turn, rendered and tokenized from text. The
+policy's token ids are never reused, so a reward model with another vocabulary or template scores the
+same conversation (verl's reward model worker does the same when the tokenizers differ).
+
+`build_tiny_rm` makes the project's own tiny reward model, as `engine.tiny` makes the policy: for the
+sort task, trained with a Bradley-Terry loss on synthetic preference pairs in which the response that
+puts more digits in their sorted place is preferred. Deterministic: the same (task, seed, steps) gives
+the same weights on one machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, Field
+from transformers import AutoConfig, AutoModelForSequenceClassification, LlamaConfig, LlamaForSequenceClassification
+
+from engine.errors import ConfigError, RLFlowError
+from engine.models import (
+    ModelLoadError,
+    _first_line,
+    hub_offline,
+    load_tokenizer,
+    torch_dtype,
+    without_dropout,
+    zero_dropout,
+)
+from engine.rewards.rules import sort_score
+from engine.synthetic import make_rows
+
+Prompt = str | list[dict[str, Any]]
+
+
+class RewardModelSpec(BaseModel):
+    """What a rank needs to load and run the reward model (from reward.model)."""
+
+    path: str
+    tokenizer_path: str | None = None
+    dtype: str = "float32"
+    trust_remote_code: bool = False
+    micro_batch_size: int = Field(32, gt=0)
+    max_length: int = Field(512, gt=0)
+
+
+def check_reward_model(path: str, trust_remote_code: bool = False) -> None:
+    """ConfigError unless `path` holds a sequence classifier with one label (checked before launch)."""
+    local = hub_offline() or Path(path).expanduser().is_dir()
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=local)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"reward.model.path={path!r}: cannot read its config: {_first_line(err)}") from err
+    archs = list(getattr(config, "architectures", None) or [])
+    if not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise ConfigError(f"reward.model.path={path!r} is {', '.join(archs) or 'a model without architectures'}, "
+                          "not a sequence classifier: a reward model is an AutoModelForSequenceClassification "
+                          "with num_labels=1 (one score per sequence)")
+    if int(getattr(config, "num_labels", 0)) != 1:
+        raise ConfigError(f"reward.model.path={path!r} has num_labels={config.num_labels}: a reward model "
+                          "scores with one label")
+
+
+def load_reward_model(spec: RewardModelSpec) -> Any:
+    check_reward_model(spec.path, spec.trust_remote_code)
+    local = hub_offline() or Path(spec.path).expanduser().is_dir()
+    try:
+        config = AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code,
+                                            local_files_only=local)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            spec.path, config=without_dropout(config), dtype=torch_dtype(spec.dtype),
+            trust_remote_code=spec.trust_remote_code, local_files_only=local)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot load the reward model from {spec.path!r}: {_first_line(err)}") from err
+    zero_dropout(model)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def conversation_text(tokenizer: Any, prompt: Prompt, response: str) -> str:
+    """The conversation as the reward model reads it: its chat template over the prompt's messages and
+    the response as the assistant's turn; plain text (prompt, then response) without a template."""
+    if isinstance(prompt, str):
+        return prompt + response
+    messages = [dict(m) for m in prompt] + [{"role": "assistant", "content": response}]
+    if tokenizer.chat_template:
+        return str(tokenizer.apply_chat_template(messages, tokenize=False))
+    return "\n".join(m["content"] for m in messages)
+
+
+def encode_conversations(tokenizer: Any, texts: Sequence[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) [B, L], right padded; a text over `max_length` tokens keeps its last
+    ones (the response and the end of the prompt are what the score reads)."""
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"][-max_length:] for t in texts]
+    width = max(len(x) for x in ids)
+    input_ids = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for i, row in enumerate(ids):
+        input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[i, : len(row)] = 1
+    return input_ids, mask
+
+
+def sequence_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B] the score at each row's last real token (right padded rows)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, L, 1] or [B, 1]
+    if logits.dim() == 2:
+        return logits[:, 0].float()
+    last = attention_mask.sum(-1) - 1
+    return logits[torch.arange(len(last)), last, 0].float()
+
+
+class RewardModelScorer:
+    """The reward model in one rank, sharded with FSDP2 over the rank's process group."""
+
+    def __init__(self, spec: RewardModelSpec) -> None:
+        from engine.workers import fsdp
+
+        self.spec = spec
+        self.tokenizer = load_tokenizer(spec.tokenizer_path or spec.path, trust_remote_code=spec.trust_remote_code)
+        if self.tokenizer.pad_token_id is None:
+            raise ConfigError(f"the reward model's tokenizer ({spec.tokenizer_path or spec.path}) has no pad token")
+        self.model = fsdp.shard_model(load_reward_model(spec))
+
+    @torch.no_grad()
+    def score(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> torch.Tensor:
+        """[B] scores of this rank's rows. Every rank runs as many forwards as the rank with the most
+        micro-batches (each forward all-gathers the shards); a rank short of rows runs a dummy one."""
+        from engine.workers import fsdp
+
+        texts = [conversation_text(self.tokenizer, p, r) for p, r in zip(prompts, responses)]
+        size = self.spec.micro_batch_size
+        count = int(fsdp.global_max(float(math.ceil(len(texts) / size))))
+        out = []
+        for i in range(count):
+            chunk = texts[i * size:(i + 1) * size]
+            ids, mask = encode_conversations(self.tokenizer, chunk or ["."], self.spec.max_length)
+            scores = sequence_scores(self.model, ids, mask)
+            if chunk:
+                out.append(scores)
+        return torch.cat(out) if out else torch.zeros(0)
+
+
+def prompts_of(column: Sequence[str]) -> list[Prompt]:
+    """Prompts as they travel in a Batch column: JSON text (a chat's messages, or a plain string)."""
+    return [json.loads(p) for p in column]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the project's tiny reward model
+
+RM_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}Q: {{ m['content'] }}\n"
+               "{% elif m['role'] == 'assistant' %}A: {{ m['content'] }}{% endif %}{% endfor %}")
+RM_STEPS, RM_BATCH, RM_LR = 300, 64, 2e-3
+RM_REPORT = "rlflow_tiny_rm.json"
+
+
+@dataclass
+class TinyRMReport:
+    task: str
+    seed: int
+    steps: int
+    held_out_pair_accuracy: float
+    held_out_pairs: int
+    build_seconds: float
+    num_parameters: int
+
+
+def candidate_response(rng: random.Random, prompt_digits: str, truth: str) -> str:
+    """A plausible response to a sort prompt: the answer with some digits wrong, the prompt's digits in
+    another order, a wrong length, or no `#### ` marker."""
+    kind = rng.random()
+    if kind < 0.45:  # the sorted answer with k positions replaced
+        answer = list(truth)
+        for i in rng.sample(range(len(answer)), rng.randint(0, len(answer))):
+            answer[i] = str(rng.randrange(10))
+        text = "".join(answer)
+    elif kind < 0.7:  # the prompt's digits, partly sorted
+        digits = list(prompt_digits)
+        cut = rng.randint(0, len(digits))
+        text = "".join(sorted(digits[:cut]) + digits[cut:])
+    elif kind < 0.85:  # a wrong length
+        text = truth[: rng.randint(0, len(truth))] + "".join(str(rng.randrange(10)) for _ in range(rng.randint(0, 2)))
+    else:  # random digits
+        text = "".join(str(rng.randrange(10)) for _ in range(rng.randint(1, 7)))
+    return text if rng.random() < 0.1 else f"#### {text}"
+
+
+def preference_pairs(task: str, n: int, seed: int, split: str) -> list[tuple[list[dict[str, Any]], str, str]]:
+    """(prompt messages, chosen, rejected) pairs: chosen has the higher sort score."""
+    if task != "sort":
+        raise ConfigError(f"make-tiny-rm builds a reward model for the sort task only, got task={task!r}")
+    rng = random.Random(f"rlflow.tiny_rm/{split}/{seed}")
+    pairs = []
+    rows = make_rows(task, n, seed, split=f"rm-{split}")
+    for row in rows:
+        truth = row["reward_model"]["ground_truth"]
+        digits = row["prompt"][0]["content"].removeprefix("sort ").removesuffix(":")
+        while True:
+            a, b = candidate_response(rng, digits, truth), candidate_response(rng, digits, truth)
+            sa, sb = sort_score("sort", a, truth), sort_score("sort", b, truth)
+            if sa != sb:
+                break
+        pairs.append((row["prompt"], a, b) if sa > sb else (row["prompt"], b, a))
+    return pairs
+
+
+def build_tiny_rm(out_dir: str | Path, task: str = "sort", seed: int = 0, steps: int = RM_STEPS) -> TinyRMReport:
+    """Train the tiny reward model into `out_dir` (absent or empty): a 2-layer Llama sequence classifier on
+    the tiny policy's character tokenizer with its own chat template ("Q: ...\\nA: ..."), Bradley-Terry
+    loss -log sigmoid(r_chosen - r_rejected) on `steps` batches of synthetic pairs."""
+    from engine.tiny import BUILD_THREADS, build_tokenizer, deterministic_cpu
+
+    if steps < 0:
+        raise ConfigError(f"steps must be >= 0, got {steps}")
+    out = Path(out_dir).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise RLFlowError(f"{out} already exists and is not an empty directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        with deterministic_cpu(BUILD_THREADS):
+            tokenizer = build_tokenizer()
+            tokenizer.chat_template = RM_TEMPLATE
+            config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+                                 num_labels=1, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                                 eos_token_id=tokenizer.eos_token_id,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+            torch.manual_seed(seed)
+            model = LlamaForSequenceClassification(config)
+            train_pairs = preference_pairs(task, steps * RM_BATCH, seed, "train")
+            _train_bradley_terry(model, tokenizer, train_pairs, steps)
+            held_out = preference_pairs(task, 512, seed, "val")
+            accuracy = pair_accuracy(model, tokenizer, held_out)
+        model.config.architectures = ["LlamaForSequenceClassification"]
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        config_path = tmp / "tokenizer_config.json"
+        tok_config = json.loads(config_path.read_text())
+        tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        config_path.write_text(json.dumps(tok_config, indent=2) + "\n")
+        report = TinyRMReport(task=task, seed=seed, steps=steps, held_out_pair_accuracy=round(accuracy, 4),
+                              held_out_pairs=len(held_out), build_seconds=round(time.perf_counter() - started, 2),
+                              num_parameters=sum(p.numel() for p in model.parameters()))
+        (tmp / RM_REPORT).write_text(json.dumps(asdict(report), indent=2) + "\n")
+        tmp.chmod(0o755)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return report
+
+
+def _pair_scores(model: Any, tokenizer: Any, pairs: Sequence[tuple[Any, str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
+    texts = [conversation_text(tokenizer, p, c) for p, c, _ in pairs] + \
+            [conversation_text(tokenizer, p, r) for p, _, r in pairs]
+    ids, mask = encode_conversations(tokenizer, texts, 128)
+    scores = sequence_scores(model, ids, mask)
+    return scores[: len(pairs)], scores[len(pairs):]
+
+
+def _train_bradley_terry(model: Any, tokenizer: Any, pairs: list[tuple[Any, str, str]], steps: int) -> None:
+    optim = torch.optim.AdamW(model.parameters(), lr=RM_LR, weight_decay=0.0)
+    model.train()
+    for step in range(steps):
+        for group in optim.param_groups:  # linear decay to 10 %
+            group["lr"] = RM_LR * (1 - 0.9 * step / max(1, steps))
+        chosen, rejected = _pair_scores(model, tokenizer, pairs[step * RM_BATCH:(step + 1) * RM_BATCH])
+        loss = -F.logsigmoid(chosen - rejected).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    model.eval()
+
+
+@torch.no_grad()
+def pair_accuracy(model: Any, tokenizer: Any, pairs: Sequence[tuple[Any, str, str]]) -> float:
+    """The share of pairs whose chosen response scores higher."""
+    chosen, rejected = _pair_scores(model, tokenizer, pairs)
+    return float((chosen > rejected).float().mean())
