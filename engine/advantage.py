@@ -37,7 +37,7 @@ def compute_advantages(
     `cost` [B]. The batch's `token_scores` is then the combined score."""
     mask = batch["response_mask"]
     token_scores = batch["token_scores"].float()
-    last = (mask.sum(-1) - 1).clamp(min=0).unsqueeze(1)  # [B, 1]
+    last = algos.last_index(mask).unsqueeze(1)  # [B, 1]
     metrics: dict[str, float] = {}
     for column, weight in (extra_scores or {}).items():
         token_scores = token_scores.scatter_add(1, last, weight * batch[column].float().unsqueeze(1))

@@ -75,6 +75,33 @@ class DataConfig(Section):
     seed: int = Field(0, ge=0)
 
 
+class MultiTurnConfig(Section):
+    """Multi-turn rollouts with tools (engine/multi_turn.py): assistant -> tool -> assistant."""
+
+    enable: bool = False
+    tools: list[str] = Field(default_factory=list, description="the tools, each 'module:function' or "
+                             "'path/to/file.py:function' declared with @engine.tools.tool(parameters=JSON schema)")
+    format: Literal["hermes", "llama3_json"] = Field(
+        "hermes", description="the model family's tool-call format: hermes (Qwen2/2.5/3, Hermes: <tool_call>{...}"
+        "</tool_call>) or llama3_json (Llama 3.1/3.2: the turn is a JSON object)")
+    max_turns: int = Field(3, ge=2, description="assistant turns per response at most (a call in the last one is "
+                           "not run); rollout.max_new_tokens bounds the whole response, observations included")
+    tool_timeout_s: float = Field(5.0, gt=0, description="wall clock of one tool call; over it the model reads an "
+                                  "error observation")
+    tool_memory_mb: int = Field(512, gt=0, description="address-space cap of the process a tool call runs in")
+    max_tool_response_chars: int = Field(256, gt=0, description="an observation longer than this is cut")
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _split_tools(cls, value: object) -> object:
+        return comma_list(value)
+
+    @field_validator("tools")
+    @classmethod
+    def _absolute_tools(cls, value: list[str]) -> list[str]:
+        return [absolute_file_spec(v) for v in value]
+
+
 class RolloutConfig(Section):
     """Generation: the backend, the group size n and the sampling parameters."""
 
@@ -91,6 +118,8 @@ class RolloutConfig(Section):
         "actor", description="actor: generate from the actor's own parameters, gathered for the rollout and "
         "resharded after (no second copy of the model on a rank); copy: a full unsharded copy on every rank, "
         "refreshed from the shards after each update")
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="multi-turn rollouts with "
+                                        "tools (multi_turn.enable=true)")
     log_prob_max_tokens_per_micro_batch: int | None = Field(
         None, gt=0, description="token budget of the old log-prob pass's micro-batches (default: the actor's); "
         "that pass runs actor.micro_batch_size rows at most")
@@ -334,8 +363,36 @@ class AlgorithmConfig(Section):
         return _one_of(v, _kl_estimators())
 
 
+class RewardModelConfig(Section):
+    """A learned reward model: an AutoModelForSequenceClassification (num_labels=1) in its own worker
+    group, reading prompt + response through its own tokenizer and chat template."""
+
+    path: str | None = Field(None, description="a local sequence-classifier directory (or a hub id when online); "
+                             "none: no reward model")
+    tokenizer_path: str | None = Field(None, description="defaults to path")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    trust_remote_code: bool = False
+    weight: float = Field(1.0, description="the model's score enters the reward as weight x score")
+    micro_batch_size: int = Field(32, gt=0, description="conversations per forward per rank")
+    max_length: int = Field(512, gt=0, description="tokens of prompt + response the model reads (a longer one "
+                            "keeps its last tokens)")
+    placement: Literal["pool", "colocated"] = Field(
+        "pool", description="pool: its own detached worker group of `ranks` ranks (FSDP2-sharded over them); "
+        "colocated: loaded in every policy rank, sharded over the policy's ranks (no extra processes)")
+    ranks: int = Field(1, gt=0, description="placement=pool: the ranks of the reward model's pool")
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None
+
+
 class RewardConfig(Section):
-    """Rule rewards: the registry on each row's data_source, or your own function."""
+    """Rule rewards (the registry on each row's data_source, or your own function) and a learned reward model."""
+
+    model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="a learned reward model, "
+                                     "scored next to the rule reward")
+    rule_weight: float = Field(1.0, description="with reward.model.path: the reward is rule_weight x rule score + "
+                               "model.weight x model score (0: the model alone; the rule score is still recorded)")
 
     function: str | None = Field(
         None,

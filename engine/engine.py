@@ -1,4 +1,5 @@
-"""The engine of one run: its policy worker group and, for PPO, its critic worker group.
+"""The engine of one run: its policy worker group and, for PPO, its critic worker group; a rollout pool
+(split placement) and a reward model pool (reward.model.placement=pool) when configured.
 
     engine = Engine.start(spec)                       # a new run, or a restart after a crash
     engine = Engine.attach(spec)                      # a retried / resumed / scheduled flow run
@@ -16,9 +17,11 @@ from pydantic import BaseModel
 
 from engine.batch import Batch
 from engine.errors import ConfigError, EngineDeadError, EngineError, VersionMismatchError
+from engine.reward_model import RewardModelSpec
 from engine.workers.critic import CriticSpec, CriticWorker
 from engine.workers.group import NAMESPACE, WorkerGroup, check_run_id
 from engine.workers.policy import PolicySpec, PolicyWorker
+from engine.workers.reward_model_worker import RewardModelWorker
 from engine.workers.rollout_worker import RolloutWorker
 
 
@@ -39,6 +42,9 @@ class EngineSpec(BaseModel):
     rollout_ranks: int = 0  # placement.mode=split: the rollout pool's ranks (0: colocated)
     rollout_num_cpus_per_rank: float = 1.0
     sync_bucket_mb: float = 32.0
+    reward_model: RewardModelSpec | None = None  # reward.model.placement=pool: its own worker group
+    reward_model_ranks: int = 0
+    reward_model_num_cpus_per_rank: float = 1.0
 
     def pools(self) -> list[tuple[str, int, float, float]]:
         """(pool, ranks, CPUs per rank, GPUs per rank) of every worker group this engine places."""
@@ -47,6 +53,9 @@ class EngineSpec(BaseModel):
             pools.append(("critic", self.world_size, self.num_cpus_per_rank, self.num_gpus_per_rank))
         if self.rollout_ranks:
             pools.append(("rollout", self.rollout_ranks, self.rollout_num_cpus_per_rank, self.num_gpus_per_rank))
+        if self.reward_model_ranks:
+            pools.append(("reward_model", self.reward_model_ranks, self.reward_model_num_cpus_per_rank,
+                          self.num_gpus_per_rank))
         return pools
 
 
@@ -65,8 +74,9 @@ def check_fits(spec: EngineSpec, cluster: dict[str, float]) -> None:
 
 class Engine:
     def __init__(self, spec: EngineSpec, policy: WorkerGroup, critic: WorkerGroup | None,
-                 rollout: WorkerGroup | None = None) -> None:
+                 rollout: WorkerGroup | None = None, reward_model: WorkerGroup | None = None) -> None:
         self.spec, self.policy, self.critic, self.rollout = spec, policy, critic, rollout
+        self.reward_model = reward_model
 
     # -- lifecycle ---------------------------------------------------------------------------------
     @classmethod
@@ -92,7 +102,14 @@ class Engine:
                                       world_size=spec.rollout_ranks, num_cpus=spec.rollout_num_cpus_per_rank,
                                       waiting=waiting)
                 groups.append(rollout)
-            engine = cls(spec, groups[0], critic, rollout)
+            reward_model = None
+            if spec.reward_model_ranks:
+                assert spec.reward_model is not None
+                reward_model = cls._create(spec, "reward_model", RewardModelWorker, spec.reward_model.model_dump(),
+                                           world_size=spec.reward_model_ranks,
+                                           num_cpus=spec.reward_model_num_cpus_per_rank, waiting=waiting)
+                groups.append(reward_model)
+            engine = cls(spec, groups[0], critic, rollout, reward_model)
             if rollout is not None:
                 engine._join_sync_group()
         except BaseException:
@@ -122,7 +139,8 @@ class Engine:
                                       timeout_setting=spec.timeout_setting)
 
         engine = cls(spec, group("policy"), group("critic") if spec.critic is not None else None,
-                     group("rollout") if spec.rollout_ranks else None)
+                     group("rollout") if spec.rollout_ranks else None,
+                     group("reward_model") if spec.reward_model_ranks else None)
         engine.versions()  # the ranks of each role must agree, or the engine is unusable
         return engine
 
@@ -142,7 +160,7 @@ class Engine:
         return stop_engine(run_id, namespace)
 
     def stop(self) -> None:
-        for group in (self.policy, self.critic, self.rollout):
+        for group in (self.policy, self.critic, self.rollout, self.reward_model):
             if group is not None:
                 group.stop()
 
@@ -203,6 +221,12 @@ class Engine:
         results = _gather(refs, "weight sync", self.spec.timeout_s, self.spec.timeout_setting)
         return dict(results[0])
 
+    def score_responses(self, batch: Batch) -> Batch:
+        """`rm_score` [B] of the reward model (its own pool, or colocated in the policy ranks) for
+        `prompt_json` and `response_text`."""
+        group = self.reward_model if self.reward_model is not None else self.policy
+        return group.call("score_rm", batch, mode="dp")
+
     def compute_log_prob(self, batch: Batch, *, expected_version: int | None) -> Batch:
         return self.policy.call("compute_log_prob", batch, mode="dp", expected_version=expected_version)
 
@@ -260,7 +284,8 @@ class Engine:
     def drain_spans(self) -> dict[str, list[tuple[str, float, float]]]:
         """{"<role>/<rank>": [(method, start, end), ...]}: every rank's traced calls since the last drain."""
         found = {}
-        for role, group in (("policy", self.policy), ("critic", self.critic), ("rollout", self.rollout)):
+        for role, group in (("policy", self.policy), ("critic", self.critic), ("rollout", self.rollout),
+                            ("reward_model", self.reward_model)):
             if group is not None:
                 for rank, spans in enumerate(group.call("drain_spans", timeout_s=60.0)):
                     found[f"{role}/{rank}"] = [tuple(s) for s in spans]

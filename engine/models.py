@@ -89,6 +89,11 @@ def resolve_tokenizer_path(model_cfg: ModelConfig, task: str) -> str:
     )
 
 
+def resolve_reward_model_path(path: str) -> str:
+    """reward.model.path as `from_pretrained` loads it (a local directory made absolute, or a hub id)."""
+    return _resolve_pretrained(path, what="reward.model.path", probe="config.json")
+
+
 def _resolve_pretrained(path: str, *, what: str, probe: str) -> str:
     local = Path(path).expanduser()
     if local.is_dir():

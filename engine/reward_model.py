@@ -9,10 +9,11 @@ the prompt's messages plus the response as the assistant's turn, rendered and to
 policy's token ids are never reused, so a reward model with another vocabulary or template scores the
 same conversation (verl's reward model worker does the same when the tokenizers differ).
 
-`build_tiny_rm` makes the project's own tiny reward model, as `engine.tiny` makes the policy: for the
-sort task, trained with a Bradley-Terry loss on synthetic preference pairs in which the response that
-puts more digits in their sorted place is preferred. Deterministic: the same (task, seed, steps) gives
-the same weights on one machine.
+`build_tiny_rm` makes the project's own tiny reward model from the tiny sort policy, as reward models
+are made from an SFT model: for the sort task, trained with a Bradley-Terry loss on preference pairs in
+which the response that puts more digits in their sorted place is preferred (pairs of the policy's own
+samples and synthetic candidates). Deterministic: the same (task, seed, steps) gives the same weights on
+one machine.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import math
 import os
 import random
 import shutil
+import string
 import tempfile
 import time
 from collections.abc import Sequence
@@ -32,7 +34,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, Field
-from transformers import AutoConfig, AutoModelForSequenceClassification, LlamaConfig, LlamaForSequenceClassification
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    LlamaConfig,
+    LlamaForSequenceClassification,
+)
 
 from engine.errors import ConfigError, RLFlowError
 from engine.models import (
@@ -168,7 +175,7 @@ def prompts_of(column: Sequence[str]) -> list[Prompt]:
 
 RM_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}Q: {{ m['content'] }}\n"
                "{% elif m['role'] == 'assistant' %}A: {{ m['content'] }}{% endif %}{% endfor %}")
-RM_STEPS, RM_BATCH, RM_LR = 300, 64, 2e-3
+RM_STEPS, RM_BATCH, RM_LR = 300, 64, 1e-3
 RM_REPORT = "rlflow_tiny_rm.json"
 
 
@@ -183,11 +190,26 @@ class TinyRMReport:
     num_parameters: int
 
 
+JUNK = string.ascii_letters + string.punctuation + " "
+
+
+def _junk(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(JUNK) for _ in range(n))
+
+
 def candidate_response(rng: random.Random, prompt_digits: str, truth: str) -> str:
-    """A plausible response to a sort prompt: the answer with some digits wrong, the prompt's digits in
-    another order, a wrong length, or no `#### ` marker."""
+    """A response to a sort prompt as a policy may write one: the answer with some digits wrong, the
+    prompt's digits in another order, a wrong length, characters that are not digits (the first thing a
+    policy trained against the model tries), or no `#### ` marker."""
     kind = rng.random()
-    if kind < 0.45:  # the sorted answer with k positions replaced
+    if kind < 0.2:  # characters that are not digits, alone, after the answer or in it
+        answer = list(truth)
+        for i in rng.sample(range(len(answer)), rng.randint(0, len(answer))):
+            answer[i] = _junk(rng, 1)
+        text = rng.choice(["".join(answer), "".join(answer) + _junk(rng, rng.randint(1, 10)),
+                           _junk(rng, rng.randint(1, 14))])
+        return text if rng.random() < 0.2 else f"#### {text}"
+    if kind < 0.55:  # the sorted answer with k positions replaced
         answer = list(truth)
         for i in rng.sample(range(len(answer)), rng.randint(0, len(answer))):
             answer[i] = str(rng.randrange(10))
@@ -203,30 +225,56 @@ def candidate_response(rng: random.Random, prompt_digits: str, truth: str) -> st
     return text if rng.random() < 0.1 else f"#### {text}"
 
 
-def preference_pairs(task: str, n: int, seed: int, split: str) -> list[tuple[list[dict[str, Any]], str, str]]:
-    """(prompt messages, chosen, rejected) pairs: chosen has the higher sort score."""
+def policy_samples(policy: Any, tokenizer: Any, rows: list[dict[str, Any]], n: int, max_new_tokens: int = 16
+                   ) -> list[list[str]]:
+    """`n` sampled responses (temperature 1) of the policy to each row's prompt, as text."""
+    from engine.models import decode_responses, encode_prompts
+
+    out = []
+    for start in range(0, len(rows), 128):
+        chunk = rows[start:start + 128]
+        enc = encode_prompts(tokenizer, [r["prompt"] for r in chunk])
+        ids = policy.generate(input_ids=enc.input_ids.repeat_interleave(n, 0),
+                              attention_mask=enc.attention_mask.repeat_interleave(n, 0), max_new_tokens=max_new_tokens,
+                              do_sample=True, temperature=1.0, top_k=0, top_p=1.0, use_cache=True,
+                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        texts = decode_responses(tokenizer, ids[:, enc.input_ids.shape[1]:])
+        out += [texts[k * n:(k + 1) * n] for k in range(len(chunk))]
+    return out
+
+
+def preference_pairs(task: str, n: int, seed: int, split: str, samples: list[list[str]] | None = None
+                     ) -> list[tuple[list[dict[str, Any]], str, str]]:
+    """`n` (prompt messages, chosen, rejected) pairs; chosen has the higher sort score. Each pair takes its
+    two responses from the row's `samples` (the policy's own, when given) and synthetic candidates
+    (`candidate_response`), so the model ranks what the policy writes and what it may drift to."""
     if task != "sort":
         raise ConfigError(f"make-tiny-rm builds a reward model for the sort task only, got task={task!r}")
     rng = random.Random(f"rlflow.tiny_rm/{split}/{seed}")
     pairs = []
     rows = make_rows(task, n, seed, split=f"rm-{split}")
-    for row in rows:
+    for k, row in enumerate(rows):
         truth = row["reward_model"]["ground_truth"]
         digits = row["prompt"][0]["content"].removeprefix("sort ").removesuffix(":")
-        while True:
-            a, b = candidate_response(rng, digits, truth), candidate_response(rng, digits, truth)
+        own = samples[k] if samples is not None else []
+        for _ in range(100):
+            a, b = (rng.choice(own) if own and rng.random() < 0.6 else candidate_response(rng, digits, truth)
+                    for _ in range(2))
             sa, sb = sort_score("sort", a, truth), sort_score("sort", b, truth)
             if sa != sb:
+                pairs.append((row["prompt"], a, b) if sa > sb else (row["prompt"], b, a))
                 break
-        pairs.append((row["prompt"], a, b) if sa > sb else (row["prompt"], b, a))
     return pairs
 
 
 def build_tiny_rm(out_dir: str | Path, task: str = "sort", seed: int = 0, steps: int = RM_STEPS) -> TinyRMReport:
-    """Train the tiny reward model into `out_dir` (absent or empty): a 2-layer Llama sequence classifier on
-    the tiny policy's character tokenizer with its own chat template ("Q: ...\\nA: ..."), Bradley-Terry
-    loss -log sigmoid(r_chosen - r_rejected) on `steps` batches of synthetic pairs."""
-    from engine.tiny import BUILD_THREADS, build_tokenizer, deterministic_cpu
+    """Train the tiny reward model into `out_dir` (absent or empty), the way reward models are made from an
+    SFT model: the tiny sort policy's trunk (engine.tiny, built or taken from the cache) with a new score
+    head (LlamaForSequenceClassification), its tokenizer with the reward model's own chat template
+    ("Q: ...\nA: ..."), a Bradley-Terry loss -log sigmoid(r_chosen - r_rejected) on `steps` batches of
+    pairs drawn from the policy's own samples and synthetic candidates."""
+    from engine.models import load_model
+    from engine.tiny import BUILD_THREADS, cached_tiny, deterministic_cpu
 
     if steps < 0:
         raise ConfigError(f"steps must be >= 0, got {steps}")
@@ -235,21 +283,25 @@ def build_tiny_rm(out_dir: str | Path, task: str = "sort", seed: int = 0, steps:
         raise RLFlowError(f"{out} already exists and is not an empty directory")
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    policy_dir = cached_tiny(task, seed)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         with deterministic_cpu(BUILD_THREADS):
-            tokenizer = build_tokenizer()
-            tokenizer.chat_template = RM_TEMPLATE
-            config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
-                                 num_labels=1, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                                 eos_token_id=tokenizer.eos_token_id,
-                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
             torch.manual_seed(seed)
+            tokenizer = load_tokenizer(str(policy_dir))
+            policy = load_model(str(policy_dir))
+            train_rows = make_rows(task, steps * RM_BATCH, seed, split="rm-train")
+            samples = policy_samples(policy, tokenizer, train_rows, 4)
+            val_samples = policy_samples(policy, tokenizer, make_rows(task, 512, seed, split="rm-val"), 4)
+            tokenizer.chat_template = RM_TEMPLATE
+            base = {k: v for k, v in policy.config.to_dict().items() if k not in ("id2label", "label2id")}
+            config = LlamaConfig(**{**base, "num_labels": 1, "architectures": None})
             model = LlamaForSequenceClassification(config)
-            train_pairs = preference_pairs(task, steps * RM_BATCH, seed, "train")
-            _train_bradley_terry(model, tokenizer, train_pairs, steps)
-            held_out = preference_pairs(task, 512, seed, "val")
+            model.model.load_state_dict(policy.model.state_dict())  # the trunk; the score head is new
+            del policy
+            _train_bradley_terry(model, tokenizer, preference_pairs(task, steps * RM_BATCH, seed, "train", samples),
+                                 steps)
+            held_out = preference_pairs(task, 512, seed, "val", val_samples)
             accuracy = pair_accuracy(model, tokenizer, held_out)
         model.config.architectures = ["LlamaForSequenceClassification"]
         model.save_pretrained(tmp)
@@ -273,7 +325,7 @@ def build_tiny_rm(out_dir: str | Path, task: str = "sort", seed: int = 0, steps:
 def _pair_scores(model: Any, tokenizer: Any, pairs: Sequence[tuple[Any, str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
     texts = [conversation_text(tokenizer, p, c) for p, c, _ in pairs] + \
             [conversation_text(tokenizer, p, r) for p, _, r in pairs]
-    ids, mask = encode_conversations(tokenizer, texts, 128)
+    ids, mask = encode_conversations(tokenizer, texts, 256)
     scores = sequence_scores(model, ids, mask)
     return scores[: len(pairs)], scores[len(pairs):]
 

@@ -31,6 +31,9 @@ class SyntheticTask:
     ability: str
     make_row: Callable[[random.Random], tuple[str, str]]  # rng -> (prompt text, ground truth)
     solution: Callable[[str], str]  # ground truth -> reference response
+    # A task a tool helps with: (prompt text, ground truth) -> the reference response that calls it, as
+    # segments (text, trained): the tool's observation is not trained on (the model reads it, never writes it).
+    tool_solution: Callable[[str, str], list[tuple[str, bool]]] | None = None
 
 
 def _arith(rng: random.Random) -> tuple[str, str]:
@@ -78,10 +81,24 @@ def _countdown_solution(truth: str) -> str:
     raise ValueError(f"no expression reaches the target of {truth}")
 
 
+def _calc(rng: random.Random) -> tuple[str, str]:
+    # Four-digit sums: beyond what the tiny model computes, easy with the calculator tool (engine/builtin_tools.py).
+    a, b = rng.randint(1000, 9999), rng.randint(1000, 9999)
+    return f"{a}+{b}=", str(a + b)
+
+
+def _calc_with_tool(prompt: str, truth: str) -> list[tuple[str, bool]]:
+    """The hermes tool call of the calculator, its observation (not trained on), then the answer."""
+    call = json.dumps({"name": "calculator", "arguments": {"expression": prompt.rstrip("=")}}, separators=(",", ":"))
+    return [(f"<tool_call>{call}</tool_call>", True), (f"\n<tool_response>\n{truth}\n</tool_response>\n", False),
+            (f"#### {truth}", True)]
+
+
 TASKS: dict[str, SyntheticTask] = {
     "arith": SyntheticTask("arith", "rlflow/arith", "math", _arith, lambda gt: f"#### {gt}"),
     "sort": SyntheticTask("sort", "rlflow/sort", "sort", _sort, lambda gt: f"#### {gt}"),
     "countdown": SyntheticTask("countdown", "rlflow/countdown", "math", _countdown, _countdown_solution),
+    "calc": SyntheticTask("calc", "rlflow/calc", "math", _calc, lambda gt: f"#### {gt}", _calc_with_tool),
 }
 
 

@@ -65,7 +65,7 @@ REPORT_FILE = "rlflow_tiny.json"
 # the val split (seeds 0/1/2 — arith: 19.9/11.7/18.8 %, sort: 47.7/25.4/12.5 %, countdown:
 # 49.6/44.9/23.4 %). Sort is learned within ~100 steps and countdown jumps from 0 to ~40 % between
 # 150 and 250 steps, so their warm starts stop early.
-DEFAULT_STEPS = {"arith": 800, "sort": 45, "countdown": 350}
+DEFAULT_STEPS = {"arith": 800, "sort": 45, "countdown": 350, "calc": 600}
 FALLBACK_STEPS = 800  # a task added later without its own tuning
 BATCH_SIZE = 64
 LR = 3e-3
@@ -203,14 +203,22 @@ def sft_batches(
     labels are -100 everywhere but the response and its eos.
     """
     rows = make_rows(task, steps * BATCH_SIZE, seed, split="sft")
+    spec = TASKS[task]
     for start in range(0, len(rows), BATCH_SIZE):
         seqs, labels = [], []
-        for row in rows[start : start + BATCH_SIZE]:
+        for k, row in enumerate(rows[start : start + BATCH_SIZE]):
             prompt = tokenizer(prompt_text(tokenizer, row["prompt"]), add_special_tokens=False)["input_ids"]
-            response = tokenizer(solution_text(row), add_special_tokens=False)["input_ids"]
-            response = [*response, tokenizer.eos_token_id]
-            seqs.append(prompt + response)
-            labels.append([-100] * len(prompt) + response)
+            if spec.tool_solution is not None and k % 2 == 0:  # half the demonstrations call the task's tool
+                segments = spec.tool_solution(row["prompt"][0]["content"], row["reward_model"]["ground_truth"])
+            else:
+                segments = [(solution_text(row), True)]
+            response, label = [], []
+            for text, trained in segments:
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+                response += ids
+                label += ids if trained else [-100] * len(ids)
+            seqs.append(prompt + [*response, tokenizer.eos_token_id])
+            labels.append([-100] * len(prompt) + [*label, tokenizer.eos_token_id])
         # Right padding keeps position ids 0..n-1 from the first real token, as in left-padded generate.
         width = max(len(s) for s in seqs)
         input_ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)  # (B, L)

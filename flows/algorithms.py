@@ -25,15 +25,18 @@ SEQUENCES = ("input_ids", "attention_mask", "responses", "response_mask")  # wha
 def stages_for(cfg: RLConfig) -> list[StageSpec]:
     """The stage list of one iteration for this config, wired and checked."""
     spec = get_adv_estimator(cfg.algorithm.adv_estimator)
+    turns = ("turns", "tool_calls", "tool_errors") if cfg.rollout.multi_turn.enable else ()
     stages = [StageSpec(name="generate_rollouts", task="generate_rollouts", reads=(), engine=True, buffer="rollout",
                         writes=(*PROMPT_COLUMNS, "prompt_ids", "responses", "response_mask", "response_text",
-                                "rollout_logp", "rollout_version"))]
+                                "rollout_logp", "rollout_version", *turns))]
     if spec.needs_baseline:  # ReMax: one greedy response per prompt, repeated over its group
         stages.append(StageSpec(name="generate_baseline", task="generate_baseline", reads=(), engine=True,
                                 buffer="baseline", writes=("baseline_responses", "baseline_response_mask",
                                                            "baseline_response_text")))
-    stages.append(StageSpec(name="score_rewards", task="score_rewards", reads=(*SCORED, "response_mask"),
-                            writes=("score", "token_scores"), buffer="reward"))
+    rm = cfg.reward.model.enabled  # a learned reward model: an engine call, on the prompts of the rows
+    stages.append(StageSpec(name="score_rewards", task="score_rewards", engine=rm, buffer="reward",
+                            reads=(*SCORED, "response_mask", *(["row_index"] if rm else [])),
+                            writes=("score", "token_scores", *(["rule_score", "rm_score"] if rm else []))))
     if cfg.safe_rl:  # safe RL: the cost of each response, next to its reward
         stages.append(StageSpec(name="score_costs", task="score_costs", reads=SCORED, writes=("cost",),
                                 buffer="cost"))

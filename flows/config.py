@@ -180,6 +180,8 @@ class RLConfig(BaseModel):
             raise _cross("reward.overlong_penalty_factor", self.reward.overlong_penalty_factor,
                          "scales the overlong penalty: it needs reward.overlong_buffer_len > 0")
         self._check_safety()
+        self._check_multi_turn()
+        self._check_reward_model()
         if self.algorithm.filter_groups:
             self._check_dynamic_sampling(spec.name)
         elif _differs_from_default(self.algorithm, "max_num_gen_batches"):
@@ -213,6 +215,41 @@ class RLConfig(BaseModel):
         elif algo.lagrange_init > algo.lagrange_max:
             raise _cross("algorithm.lagrange_init", algo.lagrange_init, f"must be at most algorithm.lagrange_max "
                          f"({algo.lagrange_max})")
+
+    def _check_multi_turn(self) -> None:
+        mt = self.rollout.multi_turn
+        if not mt.enable:
+            for key in ("tools", "format", "max_turns", "tool_timeout_s", "tool_memory_mb", "max_tool_response_chars"):
+                if _differs_from_default(mt, key):
+                    raise _cross(f"rollout.multi_turn.{key}", getattr(mt, key), "is a setting of multi-turn "
+                                 "rollouts: it needs rollout.multi_turn.enable=true")
+            return
+        if not mt.tools:
+            raise _cross("rollout.multi_turn.enable", True, "needs at least one tool: set rollout.multi_turn.tools "
+                         "to 'module:function' or 'path/to/file.py:function'")
+        for key in ("packed_sequences", "share_prompts"):
+            if getattr(self.actor, key) is True:
+                raise _cross(f"actor.{key}", True, "cannot be combined with multi-turn rollouts (their responses "
+                             "have tool observations inside): leave it at its default")
+
+    def _check_reward_model(self) -> None:
+        model = self.reward.model
+        if not model.enabled:
+            for key in ("tokenizer_path", "dtype", "trust_remote_code", "weight", "micro_batch_size", "max_length",
+                        "placement", "ranks"):
+                if _differs_from_default(model, key):
+                    raise _cross(f"reward.model.{key}", getattr(model, key), "is a setting of the reward model: it "
+                                 "needs reward.model.path")
+            if _differs_from_default(self.reward, "rule_weight"):
+                raise _cross("reward.rule_weight", self.reward.rule_weight, "weighs the rule against a reward "
+                             "model: it needs reward.model.path")
+            return
+        if model.placement == "colocated" and _differs_from_default(model, "ranks"):
+            raise _cross("reward.model.ranks", model.ranks, "sizes the reward model's own pool: it needs "
+                         "reward.model.placement=pool (colocated runs it on the policy's ranks)")
+        if self.algorithm.filter_groups:
+            raise _cross("algorithm.filter_groups", True, "judges groups by the rule score in the rollout stage; "
+                         "with a reward model that is not built: leave one of them out")
 
     @property
     def safe_rl(self) -> bool:
@@ -275,7 +312,7 @@ _SEMANTIC_TRAINER_KEYS = ("total_iterations", "world_size", "device", "seed", "m
 
 
 def _differs_from_default(section: BaseModel, key: str) -> bool:
-    return getattr(section, key) != type(section).model_fields[key].default
+    return bool(getattr(section, key) != type(section).model_fields[key].get_default(call_default_factory=True))
 
 
 class _CrossSectionError(ValueError):

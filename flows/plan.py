@@ -29,8 +29,11 @@ from engine.models import (
     model_identity,
     prompt_lengths,
     resolve_model_path,
+    resolve_reward_model_path,
     resolve_tokenizer_path,
 )
+from engine.reward_model import RewardModelSpec, check_reward_model
+from engine.tools import load_tools
 from engine.workers.critic import CriticSpec
 from engine.workers.group import check_run_id
 from engine.workers.policy import PolicySpec
@@ -150,6 +153,13 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
         check_same_base(runs, run_id, identity)
     stages_for(cfg)  # refuses a stage that reads a column nobody writes
     check_reward(train, cfg.reward)
+    if cfg.reward.cost_function is not None:  # safe RL's cost is scored as a reward is
+        check_reward(train, cfg.reward.model_copy(update={"function": cfg.reward.cost_function,
+                                                          "overlong_buffer_len": 0}))
+    if cfg.rollout.multi_turn.enable:
+        load_tools(cfg.rollout.multi_turn.tools)  # each a declared tool, names unique
+    if cfg.reward.model.path is not None:
+        check_reward_model(resolve_reward_model_path(cfg.reward.model.path), cfg.reward.model.trust_remote_code)
     return CheckedInputs(store, runs, model_path, tokenizer_path, train, val, engine, identity)
 
 
@@ -277,12 +287,28 @@ def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str
                           "the GPU path is not built and tested; use cpu")
     place = cfg.placement
     rollout_ranks = place.rollout_ranks if place.mode == "split" else 0
-    threads = place.cpus_per_rank or max(1, (os.cpu_count() or 1) // (cfg.trainer.world_size + rollout_ranks))
+    rm_ranks = cfg.reward.model.ranks if cfg.reward.model.enabled and cfg.reward.model.placement == "pool" else 0
+    ranks = cfg.trainer.world_size + rollout_ranks + rm_ranks
+    threads = place.cpus_per_rank or max(1, (os.cpu_count() or 1) // ranks)
+    # Multi-turn responses have observation holes: forward passes take the padded layout (share_prompts=auto
+    # means off there; true and packed_sequences are refused by the config).
+    actor = cfg.actor.model_copy(update={"share_prompts": False}) if cfg.rollout.multi_turn.enable else cfg.actor
     policy = PolicySpec(
         model_path=model_path, tokenizer_path=tokenizer_path, dtype=cfg.model.dtype,
-        trust_remote_code=cfg.model.trust_remote_code, rollout=cfg.rollout, actor=cfg.actor, ref=cfg.ref,
+        trust_remote_code=cfg.model.trust_remote_code, rollout=cfg.rollout, actor=actor, ref=cfg.ref,
         use_ref=cfg.needs_ref, total_iterations=cfg.trainer.total_iterations, seed=cfg.trainer.seed,
     )
+    rm_cfg = cfg.reward.model
+    reward_model = None
+    if rm_cfg.enabled:
+        assert rm_cfg.path is not None
+        reward_model = RewardModelSpec(path=resolve_reward_model_path(rm_cfg.path),
+                                       tokenizer_path=(resolve_reward_model_path(rm_cfg.tokenizer_path)
+                                                       if rm_cfg.tokenizer_path else None), dtype=rm_cfg.dtype,
+                                       trust_remote_code=rm_cfg.trust_remote_code,
+                                       micro_batch_size=rm_cfg.micro_batch_size, max_length=rm_cfg.max_length)
+    if rm_cfg.placement == "colocated":
+        policy = policy.model_copy(update={"reward_model": reward_model})
     critic = None
     if cfg.critic.enable:
         critic = CriticSpec(
@@ -298,6 +324,8 @@ def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str
         timeout_s=timeout_s, timeout_setting=timeout_setting, capacity_timeout_s=cfg.trainer.capacity_timeout_s,
         policy=policy, critic=critic, rollout_ranks=rollout_ranks,
         rollout_num_cpus_per_rank=float(threads), sync_bucket_mb=place.sync_bucket_mb,
+        reward_model=reward_model if rm_ranks else None, reward_model_ranks=rm_ranks,
+        reward_model_num_cpus_per_rank=float(threads),
     )
 
 

@@ -24,7 +24,7 @@ from pydantic import BaseModel
 
 from engine.advantage import compute_advantages as advantage_math
 from engine.advantage import data_metrics
-from engine.algos import update_multiplier
+from engine.algos import last_index, update_multiplier
 from engine.batch import Batch
 from engine.config import RewardConfig
 from engine.errors import EngineDeadError, RewardError, VersionMismatchError
@@ -177,11 +177,20 @@ def generate_rollouts(plan: RunPlan, iteration: int, stage: StageSpec, inputs: d
         tokens = float(batch["response_mask"].sum())
         metrics = {}
     gen_s = time.perf_counter() - start
+    if "tool_calls" in batch:
+        metrics.update(tool_metrics(batch, "tools"))
     metrics.update({"timing_s/gen": gen_s, "perf/gen_tokens": tokens, "perf/gen_tokens_per_s": tokens / gen_s,
                     "async/rollout_version": float(version), "async/staleness": float(iteration - 1 - version)})
     get_run_logger().info("iteration %d: generated %d responses in %.2f s with the weights of version %d",
                           iteration, len(batch), gen_s, version)
     return _write(ctx, iteration, stage, batch, metrics)
+
+
+def tool_metrics(batch: Batch, prefix: str) -> dict[str, float]:
+    """Multi-turn rollouts: how often the responses call tools, and how often a call gets an error."""
+    calls, errors = batch["tool_calls"].float(), batch["tool_errors"].float()
+    return {f"{prefix}/call_rate": float((calls > 0).float().mean()), f"{prefix}/calls_per_response": float(calls.mean()),
+            f"{prefix}/error_rate": float(errors.sum() / calls.sum()) if float(calls.sum()) else 0.0}
 
 
 def _dynamic_sampling(ctx: StageContext, iteration: int, stage: StageSpec, version: int
@@ -327,7 +336,21 @@ def score_rewards(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[
     batch = _inputs(ctx, stage, inputs)
     start = time.perf_counter()
     score, metrics = rule_scores(ctx, batch)
-    out = Batch({"score": score, "token_scores": at_last_token(score, batch["response_mask"])}, {})
+    columns = {}
+    model = ctx.plan.reward.model
+    if model.path is not None:  # the learned reward model, weighed with the rule (shaping stays on top)
+        rule = _score(ctx, batch)
+        shaping = score - rule
+        rm = ctx.engine(stage.name).score_responses(Batch(
+            {"row_index": batch["row_index"]},
+            {"prompt_json": [json.dumps(ctx.dataset("train")[i].prompt) for i in batch["row_index"].tolist()],
+             "response_text": batch["response_text"]}))["rm_score"]
+        score = ctx.plan.reward.rule_weight * rule + model.weight * rm + shaping
+        columns = {"rule_score": rule, "rm_score": rm}
+        metrics.update({"reward/rule/mean": float(rule.mean()), "reward/rm/mean": float(rm.mean()),
+                        "reward/rm/std": float(rm.std()) if len(rm) > 1 else 0.0,
+                        "timing_s/reward_model": time.perf_counter() - start})
+    out = Batch({"score": score, "token_scores": at_last_token(score, batch["response_mask"]), **columns}, {})
     return _write(ctx, iteration, stage, out, {"timing_s/reward": time.perf_counter() - start, **metrics})
 
 
@@ -400,7 +423,7 @@ def run_user_stage(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict
 
 def at_last_token(score: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """[B] scores -> [B, T] zeros with each score at its response's last token."""
-    last = (response_mask.sum(-1) - 1).clamp(min=0)
+    last = last_index(response_mask)
     return torch.zeros(response_mask.shape, dtype=torch.float32).scatter(1, last.unsqueeze(1), score.float().unsqueeze(1))
 
 
@@ -581,6 +604,8 @@ def validate(plan: RunPlan, iteration: int) -> StageResult:
     write_buffer(ctx.store, ctx.plan.run_id, iteration, "validation", out.with_tensors(score=score))
     metrics = {"val/score/mean": float(score.mean()), "timing_s/validate": time.perf_counter() - start,
                "val/response_length/mean": float(out["response_mask"].sum(-1).float().mean())}
+    if "tool_calls" in out:
+        metrics.update(tool_metrics(out, "val/tools"))
     for source in sorted(set(out["data_source"])):
         rows = torch.tensor([s == source for s in out["data_source"]])
         metrics[f"val/{source}/score/mean"] = float(score[rows].mean())

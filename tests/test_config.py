@@ -249,3 +249,26 @@ def test_dynamic_sampling_outside_what_it_is_built_for_is_refused(overrides: lis
 def test_safe_rl_settings_without_a_cost_and_its_limit_are_refused(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, overrides)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["rollout.multi_turn.max_turns=4"], "rollout.multi_turn.max_turns=4 is not allowed: is a setting of multi-turn "
+                                         "rollouts: it needs rollout.multi_turn.enable=true"),
+    (["rollout.multi_turn.enable=true"], "rollout.multi_turn.enable=True is not allowed: needs at least one tool"),
+    (["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=engine.builtin_tools:calculator",
+      "actor.packed_sequences=true"], "actor.packed_sequences=True is not allowed: cannot be combined with multi-turn"),
+    (["reward.model.ranks=2"], "reward.model.ranks=2 is not allowed: is a setting of the reward model: it needs "
+                               "reward.model.path"),
+    (["reward.rule_weight=0.5"], "reward.rule_weight=0.5 is not allowed: weighs the rule against a reward model"),
+    (["reward.model.path=/x", "reward.model.placement=colocated", "reward.model.ranks=2"],
+     "reward.model.ranks=2 is not allowed: sizes the reward model's own pool"),
+    (["reward.model.path=/x", "algorithm.filter_groups=true"], "algorithm.filter_groups=True is not allowed: judges "
+                                                                "groups by the rule score"),
+])
+def test_multi_turn_and_reward_model_settings_outside_their_mode_are_refused(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, overrides)
+    for ok in ([], ["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=engine.builtin_tools:calculator"],
+               ["reward.model.path=/x", "reward.rule_weight=0"]):
+        cfg = load_config(None, ok)
+        assert build_config(json.loads(json.dumps(cfg.public_dict()))).config_hash() == cfg.config_hash()

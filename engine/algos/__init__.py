@@ -38,6 +38,7 @@ from engine.algos.kl import (
 from engine.algos.lagrange import lagrangian_scores, update_multiplier
 from engine.algos.masked import (
     entropy_from_logits,
+    last_index,
     logprobs_from_logits,
     masked_mean,
     masked_sum,
@@ -56,6 +57,7 @@ from engine.algos.policy_loss import (
 from engine.algos.value import clipped_value_loss
 
 __all__ = [
+    "last_index",
     "lagrangian_scores",
     "update_multiplier",
     "ADV_ESTIMATORS",

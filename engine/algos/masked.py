@@ -93,3 +93,10 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     if not rows:  # B == 0
         return logits.new_zeros(labels.shape, dtype=out_dtype)
     return torch.stack(rows)  # B x [T] -> [B, T]
+
+
+def last_index(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] -> [B]: the index of each row's last 1 (0 for a row without one). Unlike `mask.sum(-1) - 1`,
+    right for masks with holes (the tool observations of a multi-turn response)."""
+    positions = torch.arange(1, mask.shape[-1] + 1, device=mask.device)
+    return ((mask != 0).long() * positions).amax(dim=-1).sub(1).clamp(min=0)

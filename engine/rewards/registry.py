@@ -61,7 +61,7 @@ def register_reward(spec: RewardSpec, *, replace: bool = False) -> RewardSpec:
 
 
 for _spec in (
-    RewardSpec("gsm8k", per_row(gsm8k_score), ("openai/gsm8k", "rlflow/arith"), ("gsm8k/",)),
+    RewardSpec("gsm8k", per_row(gsm8k_score), ("openai/gsm8k", "rlflow/arith", "rlflow/calc"), ("gsm8k/",)),
     RewardSpec(
         "math",
         per_row(math_score),

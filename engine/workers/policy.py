@@ -39,8 +39,11 @@ from engine.models import (
     positions,
     stop_token_ids,
 )
+from engine.multi_turn import generate_multi_turn
+from engine.reward_model import RewardModelScorer, RewardModelSpec, prompts_of
 from engine.rollout import SamplingParams, make_rollout
 from engine.seeds import derive_seed
+from engine.tools import load_tools
 from engine.workers import fsdp
 from engine.workers.base import RankWorker, traced
 
@@ -58,6 +61,7 @@ class PolicySpec(BaseModel):
     use_ref: bool = False
     total_iterations: int = 1
     seed: int = 0
+    reward_model: RewardModelSpec | None = None  # reward.model.placement=colocated: loaded in every policy rank
 
 
 class PolicyWorker(RankWorker):
@@ -94,6 +98,19 @@ class PolicyWorker(RankWorker):
                                         cpu_offload=spec.actor.cpu_offload)
         generator = self.rollout_model if self.rollout_model is not None else self.actor
         self.rollout = make_rollout(spec.rollout.name, generator, int(self.tokenizer.pad_token_id), stops)
+        self.tools = load_tools(spec.rollout.multi_turn.tools) if spec.rollout.multi_turn.enable else {}
+        self.reward_model: RewardModelScorer | None = None
+        if spec.reward_model is not None:  # last, and on a forked RNG: the policy's draws do not depend on it
+            with torch.random.fork_rng(devices=[]):
+                self.reward_model = RewardModelScorer(spec.reward_model)
+
+    @traced
+    def score_rm(self, batch: Batch) -> Batch:
+        """reward.model.placement=colocated: `rm_score` [B] of this rank's rows (`prompt_json`, `response_text`)."""
+        if self.reward_model is None:
+            raise RuntimeError("this policy was built without a colocated reward model")
+        self.actor.eval()
+        return Batch({"rm_score": self.reward_model.score(prompts_of(batch["prompt_json"]), batch["response_text"])}, {})
 
     # -- generation ---------------------------------------------------------------------------------
     @traced
@@ -103,7 +120,8 @@ class PolicyWorker(RankWorker):
         self.check_version(expected_version)
         with self._generating():
             return generate_batch(self.rollout, prompts, self.spec.rollout, seed=self.spec.seed, iteration=iteration,
-                                  rank=self.rank, do_sample=do_sample, version=self.version, draw=draw)
+                                  rank=self.rank, do_sample=do_sample, version=self.version, draw=draw,
+                                  tokenizer=self.tokenizer, tools=self.tools)
 
     @contextmanager
     def _generating(self) -> Iterator[None]:
@@ -398,13 +416,17 @@ class PolicyWorker(RankWorker):
 
 
 def generate_batch(rollout: Any, prompts: Batch, cfg: RolloutConfig, *, seed: int, iteration: int, rank: int,
-                   do_sample: bool, version: int, draw: int = 0) -> Batch:
+                   do_sample: bool, version: int, draw: int = 0, tokenizer: Any = None,
+                   tools: dict[str, Any] | None = None) -> Batch:
     """Responses to `prompts` in micro-batches of cfg.micro_batch_size, each sampled with a seed derived
     from (run seed, iteration, stage, draw, micro-batch, rank); the first draw's seeds leave the draw out. Adds `prompt_ids`, `responses`, `response_mask`,
     the full `input_ids` / `attention_mask` [B, P+T], the behaviour log-probs `rollout_logp` [B, T] and
     `rollout_version` [B] (the weights' version)."""
     params = SamplingParams(cfg.max_new_tokens, do_sample, cfg.temperature, cfg.top_p, cfg.top_k)
     stage = ("rollout" if do_sample else "rollout_greedy") + (f"/draw{draw}" if draw else "")
+    if cfg.multi_turn.enable:  # assistant -> tool -> assistant (engine/multi_turn.py)
+        return generate_multi_turn(rollout, tokenizer, tools or {}, prompts, cfg, seed=seed, iteration=iteration,
+                                   rank=rank, do_sample=do_sample, version=version, stage=stage)
     outs = []
     for i, micro in enumerate(prompts.chunks(cfg.micro_batch_size) if len(prompts) else []):
         micro_seed = derive_seed(seed, iteration, f"{stage}/{i}", rank)
@@ -450,7 +472,7 @@ def response_logits(model: nn.Module, batch: Batch, temperature: float, layout: 
     all-gathers, so ranks whose micro-batches differ must still issue the same collectives.
     """
     t = batch["responses"].shape[1]
-    keep = max(1, int(batch["response_mask"].sum(-1).max()))
+    keep = max(1, int(algos.last_index(batch["response_mask"]).max()) + 1)  # the longest response's extent
     if layout == "shared":
         out = _shared_prompt_logits(model, batch, *fsdp.prompt_groups(batch), keep)
     elif layout == "packed":

@@ -17,6 +17,7 @@ from engine import lora, weight_sync
 from engine.batch import Batch
 from engine.models import dropout_left, load_model, load_tokenizer, stop_token_ids
 from engine.rollout import make_rollout
+from engine.tools import load_tools
 from engine.workers.base import RankWorker, traced
 from engine.workers.policy import PolicySpec, generate_batch
 
@@ -43,6 +44,7 @@ class RolloutWorker(RankWorker):
             model.to(torch.bfloat16)
         self.model = model.eval()
         self.rollout = make_rollout(spec.rollout.name, self.model, int(self.tokenizer.pad_token_id), stops)
+        self.tools = load_tools(spec.rollout.multi_turn.tools) if spec.rollout.multi_turn.enable else {}
 
     @traced
     def generate(self, prompts: Batch, *, iteration: int, expected_version: int | None, do_sample: bool = True,
@@ -50,7 +52,8 @@ class RolloutWorker(RankWorker):
         """As PolicyWorker.generate, from this rank's copy at `expected_version`."""
         self.check_version(expected_version)
         return generate_batch(self.rollout, prompts, self.spec.rollout, seed=self.spec.seed, iteration=iteration,
-                              rank=self.rank, do_sample=do_sample, version=self.version, draw=draw)
+                              rank=self.rank, do_sample=do_sample, version=self.version, draw=draw,
+                              tokenizer=self.tokenizer, tools=self.tools)
 
     # -- weights -----------------------------------------------------------------------------------
     def join_sync_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:

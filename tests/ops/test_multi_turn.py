@@ -1,0 +1,138 @@
+"""Multi-turn rollouts with tools through the real CLI, stack and storage: the tiny model warm-started on
+four-digit sums, half of its demonstrations calling the calculator tool (hermes format), trained with
+rollout.multi_turn on (engine.builtin_tools:calculator).
+
+- The rollout buffer keeps every turn (readable with pandas); the observation tokens are holes in
+  `response_mask` (no loss, no KL) but real tokens for attention; their rollout log-probs are 0; the
+  observation of each call is the calculator's answer to the expression the model wrote.
+- The flow process and its engine killed after an update, then resumed: the uninterrupted run's weights bit
+  for bit, every complete buffer kept. A stage failing past its retries: run again, the rollout is reused.
+- A tool that breaks gives error observations, never a failed rollout.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from engine.batch import Batch
+from engine.builtin_tools import calculator
+from tests.ops.test_async import assert_equal_weights, metrics_done
+from tests.ops.test_faults import buffers
+from tests.services import Cli
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+ITERATIONS, N, PROMPTS = 2, 4, 4
+SFT_STEPS = 250
+TOOLS = Path(__file__).resolve().parents[1] / "pipeline" / "tools.py"
+
+
+@pytest.fixture(scope="session")
+def calc_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine.tiny import build_tiny
+
+    out = tmp_path_factory.mktemp("calc") / "model"
+    build_tiny(out, task="calc", seed=0, steps=SFT_STEPS)
+    return out
+
+
+def args(model: Path, root: Path, run_id: str, *extra: str) -> list[str]:
+    return [f"model.path={model}", f"storage.root={root}", f"trainer.run_id={run_id}", "data.task=calc",
+            f"trainer.total_iterations={ITERATIONS}", "trainer.save_every=1", "trainer.val_every=0",
+            f"data.train_batch_size={PROMPTS}", f"rollout.n={N}", "actor.mini_batch_size=16", "actor.micro_batch_size=8",
+            "data.train_size=64", "data.val_size=8", "rollout.max_new_tokens=112", "actor.lr=1e-4",
+            "actor.use_kl_loss=true", "rollout.multi_turn.enable=true",
+            "rollout.multi_turn.tools=engine.builtin_tools:calculator", *extra]
+
+
+def buffer(root: Path, run_id: str, iteration: int, name: str) -> Batch:
+    return Batch.from_parquet(str(root / run_id / "buffers" / f"iter_{iteration:06d}" / f"{name}.parquet"))
+
+
+def weights(root: Path, run_id: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(root / run_id / "export" / f"step_{ITERATIONS:06d}" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def reference(cli: Cli, calc_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("multi-turn-reference")
+    proc = cli("train", *args(calc_model_dir, root, "mt-ref"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {"root": root, "weights": weights(root, "mt-ref")}
+
+
+def test_turns_observations_and_masks(reference: dict, calc_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(calc_model_dir)
+    root = reference["root"]
+    calls = 0
+    for i in range(1, ITERATIONS + 1):
+        rollout = buffer(root, "mt-ref", i, "rollout")
+        frame = pd.read_parquet(root / "mt-ref" / "buffers" / f"iter_{i:06d}" / "rollout.parquet")
+        p = rollout["prompt_ids"].shape[1]
+        for r in range(len(rollout)):
+            turns = json.loads(frame["turns"][r])
+            mask, real = rollout["response_mask"][r], rollout["attention_mask"][r, p:]
+            holes = (real.bool() & ~mask.bool())
+            observations = [t["content"] for t in turns if t["role"] == "tool"]
+            assert int(rollout["tool_calls"][r]) == len(observations)
+            # the holes hold exactly the observations, in their wrapping; no loss and no behaviour log-prob there
+            hole_text = tokenizer.decode(rollout["responses"][r][holes].tolist())
+            assert hole_text == "".join(f"\n<tool_response>\n{o}\n</tool_response>\n" for o in observations)
+            assert bool((rollout["rollout_logp"][r][holes] == 0).all())
+            # each observation is the calculator's answer to what the model wrote
+            for turn, observation in zip([t for t in turns if t["role"] == "assistant"], observations):
+                call = json.loads(turn["content"].split("<tool_call>")[1].split("</tool_call>")[0])
+                if not observation.startswith("error:"):
+                    assert observation == calculator(**call["arguments"])
+            calls += len(observations)
+        adv = buffer(root, "mt-ref", i, "advantage")
+        assert bool((adv["adv"][~adv["response_mask"].bool()] == 0).all())  # no advantage on a hole
+    assert calls > 0, "the warm-started model made no tool call: the test checks nothing"
+
+
+def test_multi_turn_killed_and_resumed(cli: Cli, calc_model_dir: Path, tmp_path: Path, reference: dict) -> None:
+    first = cli("train", *args(calc_model_dir, tmp_path, "mt-kill", "debug.kill_flow_after=update_policy",
+                               "debug.kill_iteration=1"))
+    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+    assert cli("engine", "stop", "mt-kill").returncode == 0
+    before = buffers(tmp_path, "mt-kill")
+    resumed = cli("train", "--resume", "mt-kill", f"storage.root={tmp_path}")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    after = buffers(tmp_path, "mt-kill")
+    assert all(after[k] == v for k, v in before.items())
+    assert_equal_weights(weights(tmp_path, "mt-kill"), reference["weights"])
+
+
+def test_failed_multi_turn_iteration_reuses_its_rollout(cli: Cli, calc_model_dir: Path, tmp_path: Path,
+                                                        reference: dict) -> None:
+    failed = cli("train", *args(calc_model_dir, tmp_path, "mt-fail", "debug.fail_stage=compute_advantages",
+                                "debug.fail_times=3", "debug.fail_iteration=2"))
+    assert failed.returncode != 0
+    assert metrics_done(tmp_path, "mt-fail") == [1]
+    before = buffers(tmp_path, "mt-fail")
+    again = cli("train", "--resume", "mt-fail", f"storage.root={tmp_path}")
+    assert again.returncode == 0, again.stderr[-4000:]
+    after = buffers(tmp_path, "mt-fail")
+    assert all(after[k] == v for k, v in before.items())
+    assert_equal_weights(weights(tmp_path, "mt-fail"), reference["weights"])
+
+
+def test_a_broken_tool_gives_error_observations(cli: Cli, calc_model_dir: Path, tmp_path: Path) -> None:
+    """The tool named calculator raises on every call: the run completes, every call got an error."""
+    proc = cli("train", *args(calc_model_dir, tmp_path, "mt-broken", "trainer.total_iterations=1",
+                              f"rollout.multi_turn.tools={TOOLS}:broken_calculator"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rollout = buffer(tmp_path, "mt-broken", 1, "rollout")
+    assert int(rollout["tool_calls"].sum()) > 0
+    assert torch.equal(rollout["tool_errors"], rollout["tool_calls"])
+    turns = [t for row in rollout["turns"] for t in json.loads(row) if t["role"] == "tool"]
+    assert all(t["content"] == "error: calculator failed: RuntimeError: the tool broke" for t in turns)

@@ -1,0 +1,78 @@
+"""Tools of multi-turn rollouts: the tool-call formats parsed from text, argument checks against the
+declared schema, and every way a tool can go wrong becoming an observation (nothing raised)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.builtin_tools import calculator
+from engine.errors import ConfigError
+from engine.rewards.types import SandboxLimits
+from engine.tools import ToolCall, call_tools, check_arguments, load_tools, parse_tool_call
+
+TOOLS = Path(__file__).resolve().parents[1] / "pipeline" / "tools.py"
+
+
+def test_hermes_and_llama3_calls_are_parsed_from_text() -> None:
+    text = 'let me compute <tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>'
+    assert parse_tool_call(text, "hermes") == ToolCall("calculator", {"expression": "2+3"})
+    assert parse_tool_call("#### 5", "hermes") is None
+    assert parse_tool_call("<tool_call>{oops}</tool_call>", "hermes").startswith("the tool call is not JSON")
+    assert parse_tool_call('<tool_call>{"arguments": {}}</tool_call>', "hermes") == 'the tool call needs a "name" (a string)'
+    assert parse_tool_call('{"name": "calculator", "parameters": {"expression": "1"}}', "llama3_json") == \
+        ToolCall("calculator", {"expression": "1"})
+    assert parse_tool_call("The answer is 5", "llama3_json") is None
+
+
+def test_arguments_are_checked_against_the_schema() -> None:
+    schema = {"type": "object", "properties": {"expression": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["expression"], "additionalProperties": False}
+    assert check_arguments({"expression": "1"}, schema) is None
+    assert check_arguments({}, schema) == "missing required argument(s) expression"
+    assert check_arguments({"expression": 1}, schema) == "argument 'expression' must be string, got int"
+    assert check_arguments({"expression": "1", "n": True}, schema) == "argument 'n' must be integer, got bool"
+    assert check_arguments({"expression": "1", "x": 2}, schema) == "unknown argument 'x'; allowed: expression, n"
+
+
+def test_a_function_not_declared_as_a_tool_is_refused() -> None:
+    with pytest.raises(ConfigError, match="undeclared is not a tool; declare it with @engine.tools.tool"):
+        load_tools([f"{TOOLS}:undeclared"])
+
+
+def test_every_failure_of_a_tool_is_an_observation() -> None:
+    tools = load_tools([f"{TOOLS}:{name}" for name in ("echo", "boom", "slow", "hog", "number")]
+                       + ["engine.builtin_tools:calculator"])
+    calls = [("0", ToolCall("echo", {"text": "abc"})), ("1", ToolCall("boom", {})), ("2", ToolCall("slow", {})),
+             ("3", ToolCall("hog", {})), ("4", ToolCall("number", {})), ("5", ToolCall("nope", {})),
+             ("6", ToolCall("echo", {"text": 3})), "the tool call is not JSON: x",
+             ("8", ToolCall("calculator", {"expression": "1234+5678"})), ("9", ToolCall("echo", {"text": "z" * 50}))]
+    start = time.monotonic()
+    got = call_tools(calls, tools, SandboxLimits(timeout_s=2.0, memory_mb=256), max_chars=30)
+    assert time.monotonic() - start < 30  # the hang cost its timeout, not 600 s
+    assert got == [
+        "cba",
+        "error: boom failed: RuntimeErr",  # the exception, cut at max_chars
+        "error: slow ran over its 2 s (",
+        "error: hog ran out of memory (",
+        "error: number returned int, no",
+        "error: no tool named 'nope'; t",
+        "error: echo: argument 'text' m",
+        "error: the tool call is not JS",
+        "6912",
+        "z" * 30,
+    ]
+    full = call_tools(calls[1:5], tools, SandboxLimits(timeout_s=2.0, memory_mb=256), max_chars=300)
+    assert full == ["error: boom failed: RuntimeError: the tool broke",
+                    "error: slow ran over its 2 s (rollout.multi_turn.tool_timeout_s)",
+                    "error: hog ran out of memory (256 MB, rollout.multi_turn.tool_memory_mb)",
+                    "error: number returned int, not text"]
+
+
+def test_calculator() -> None:
+    assert calculator("1234+5678") == "6912"
+    assert calculator("(2+3)*4-7//2%3") == str((2 + 3) * 4 - 7 // 2 % 3)
+    assert calculator("__import__('os')").startswith("error: only integers")
+    assert calculator("1+").startswith("error: not an expression")
