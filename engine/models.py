@@ -334,40 +334,46 @@ class EncodedPrompts:
     attention_mask: torch.Tensor
 
 
-def prompt_text(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> str:
-    """The text the model sees: the chat template (with the generation prompt) for chat messages."""
+def prompt_text(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> str:
+    """The text the model sees: the chat template (with the generation prompt) for chat messages, given the
+    `tools` (OpenAI function schemas: multi-turn rollouts) when there are any; a template that has no
+    place for tools leaves them out."""
     if isinstance(prompt, str):
         return prompt
     messages = [dict(m) for m in prompt]
     if tokenizer.chat_template:
-        return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        schemas: list[Any] | None = list(tools) if tools else None
+        return str(tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False,
+                                                 add_generation_prompt=True))
     return "\n".join(m["content"] for m in messages)
 
 
-def _token_ids(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt]) -> list[list[int]]:
+def _token_ids(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt],
+               tools: list[dict[str, Any]] | None = None) -> list[list[int]]:
     # A chat template writes its own special tokens (bos); the tokenizer adds them only to plain text.
     ids = []
     for prompt in prompts:
         chat = not isinstance(prompt, str) and bool(tokenizer.chat_template)
-        text = prompt_text(tokenizer, prompt)
+        text = prompt_text(tokenizer, prompt, tools)
         ids.append(tokenizer(text, add_special_tokens=not chat)["input_ids"])
     return ids
 
 
-def prompt_lengths(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt]) -> list[int]:
+def prompt_lengths(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt],
+                   tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Tokens of each prompt as the model sees it (what `data.max_prompt_length` limits)."""
-    return [len(ids) for ids in _token_ids(tokenizer, prompts)]
+    return [len(ids) for ids in _token_ids(tokenizer, prompts, tools)]
 
 
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt], max_length: int | None = None,
-                   truncation: str = "left") -> EncodedPrompts:
+                   truncation: str = "left", tools: list[dict[str, Any]] | None = None) -> EncodedPrompts:
     """Tokens of `prompts`, left padded with the tokenizer's pad id to the longest prompt. A prompt over
     `max_length` tokens is cut: truncation "left" keeps its last tokens (the end of the conversation and
     the generation prompt), "right" its first; any other truncation leaves it (the data layer dropped or
     refused it already)."""
     if tokenizer.pad_token_id is None:
         prepare_tokenizer(tokenizer)
-    ids = _token_ids(tokenizer, prompts)
+    ids = _token_ids(tokenizer, prompts, tools)
     if max_length is not None and truncation == "left":
         ids = [seq[-max_length:] for seq in ids]
     elif max_length is not None and truncation == "right":

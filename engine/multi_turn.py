@@ -12,7 +12,8 @@ most rollout.max_new_tokens:
     attention_mask [B, P+T] 1 on every real token, observations included (the model reads them)
     rollout_logp   [B, T]  the behaviour log-probs of generated tokens, 0 elsewhere
 
-and the columns `turns` (JSON: [{"role": "assistant" | "tool", "content": ...}, ...] per row) and the
+and the columns `turns` (JSON: [{"role": "assistant" | "tool", "content": ...}, ...] per row; a tool turn's
+"text" is its observation as the model read it, in the format's wrapping, cut at the length limit) and the
 tensors `tool_calls`, `tool_errors` [B] (calls made, and calls whose observation is an error).
 
 Seeds: each turn's sampling seed is derived from (run seed, iteration, stage, turn, micro-batch, rank), so a
@@ -89,11 +90,12 @@ def generate_multi_turn(rollout: Any, tokenizer: Any, tools: dict[str, tuple[str
                 calls[r] += 1
                 errors[r] += observation.startswith("error:")
                 ids = tokenizer(observation_text(mt.format, observation), add_special_tokens=False)["input_ids"]
-                ids = ids[:limit - len(tokens[r])]
+                ids = ids[:limit - len(tokens[r])]  # at rollout.max_new_tokens the observation is cut
                 tokens[r] += ids
                 trained[r] += [0] * len(ids)
                 logps[r] += [0.0] * len(ids)
-                turns[r].append({"role": "tool", "content": observation})
+                turns[r].append({"role": "tool", "content": observation,
+                                 "text": tokenizer.decode(ids, skip_special_tokens=False)})  # as the model read it
         going = still
     responses = torch.full((rows, limit), pad, dtype=torch.long)
     response_mask = torch.zeros((rows, limit), dtype=torch.long)

@@ -212,7 +212,8 @@ def sft_batches(
                 segments = spec.tool_solution(row["prompt"][0]["content"], row["reward_model"]["ground_truth"])
             else:
                 segments = [(solution_text(row), True)]
-            response, label = [], []
+            response: list[int] = []
+            label: list[int] = []
             for text, trained in segments:
                 ids = tokenizer(text, add_special_tokens=False)["input_ids"]
                 response += ids

@@ -33,7 +33,7 @@ from engine.models import (
     resolve_tokenizer_path,
 )
 from engine.reward_model import RewardModelSpec, check_reward_model
-from engine.tools import load_tools
+from engine.tools import describe, load_tools
 from engine.workers.critic import CriticSpec
 from engine.workers.group import check_run_id
 from engine.workers.policy import PolicySpec
@@ -139,7 +139,8 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
     model_path = resolve_model_path(cfg.model, cfg.data.task)
     tokenizer_path = resolve_tokenizer_path(cfg.model, cfg.data.task)
     tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=cfg.model.trust_remote_code)
-    train, val = load_train_val(cfg.data, length_fn=lambda p: prompt_lengths(tokenizer, [p])[0],
+    tools = describe(load_tools(cfg.rollout.multi_turn.tools)) if cfg.rollout.multi_turn.enable else None
+    train, val = load_train_val(cfg.data, length_fn=lambda p: prompt_lengths(tokenizer, [p], tools)[0],
                                 synthetic_dir=cache_dir() / "data")
     if len(train) < cfg.data.train_batch_size:
         raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} is larger than the training set "
@@ -156,8 +157,6 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
     if cfg.reward.cost_function is not None:  # safe RL's cost is scored as a reward is
         check_reward(train, cfg.reward.model_copy(update={"function": cfg.reward.cost_function,
                                                           "overlong_buffer_len": 0}))
-    if cfg.rollout.multi_turn.enable:
-        load_tools(cfg.rollout.multi_turn.tools)  # each a declared tool, names unique
     if cfg.reward.model.path is not None:
         check_reward_model(resolve_reward_model_path(cfg.reward.model.path), cfg.reward.model.trust_remote_code)
     return CheckedInputs(store, runs, model_path, tokenizer_path, train, val, engine, identity)

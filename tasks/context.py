@@ -20,6 +20,7 @@ from engine.data import PromptDataset, load_prompts
 from engine.engine import Engine, EngineSpec
 from engine.models import encode_prompts, load_tokenizer, prompt_lengths
 from engine.sampler import PromptSampler
+from engine.tools import describe, load_tools
 from infra.checkpoints import CheckpointStore
 from infra.config import StorageConfig
 from infra.runs import RunStore
@@ -68,6 +69,14 @@ class StageContext:
                                                       trust_remote_code=self.plan.engine.policy.trust_remote_code)
         return self._cache["tokenizer"]
 
+    @property
+    def tools(self) -> list[dict[str, Any]] | None:
+        """Multi-turn rollouts: the tools' schemas, which the chat template puts into the prompt."""
+        if "tools" not in self._cache:
+            mt = self.plan.rollout.multi_turn
+            self._cache["tools"] = describe(load_tools(mt.tools)) if mt.enable else None
+        return self._cache["tools"]  # type: ignore[no-any-return]
+
     def dataset(self, split: str) -> PromptDataset:
         """The train or val prompts, filtered by length exactly as the train flow checked them."""
         if split not in self._cache:
@@ -75,7 +84,7 @@ class StageContext:
             self._cache[split] = load_prompts(
                 files, split=split, prompt_key=self.plan.data.prompt_key,
                 max_prompt_length=self.plan.data.max_prompt_length,
-                length_fn=lambda prompt: prompt_lengths(self.tokenizer, [prompt])[0],
+                length_fn=lambda prompt: prompt_lengths(self.tokenizer, [prompt], self.tools)[0],
                 truncation=self.plan.data.truncation,
             )
         return self._cache[split]  # type: ignore[no-any-return]
@@ -116,7 +125,8 @@ class StageContext:
 
     def _encode(self, rows: list[Any], indices: list[int]) -> Batch:
         data = self.plan.data
-        enc = encode_prompts(self.tokenizer, [r.prompt for r in rows], data.max_prompt_length, data.truncation)
+        enc = encode_prompts(self.tokenizer, [r.prompt for r in rows], data.max_prompt_length, data.truncation,
+                             self.tools)
         return Batch(
             {
                 "input_ids": enc.input_ids,  # [B, P] left padded

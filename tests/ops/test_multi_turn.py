@@ -28,7 +28,7 @@ from tests.services import Cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ITERATIONS, N, PROMPTS = 2, 4, 4
-SFT_STEPS = 250
+SFT_STEPS = 150
 TOOLS = Path(__file__).resolve().parents[1] / "pipeline" / "tools.py"
 
 
@@ -45,7 +45,7 @@ def args(model: Path, root: Path, run_id: str, *extra: str) -> list[str]:
     return [f"model.path={model}", f"storage.root={root}", f"trainer.run_id={run_id}", "data.task=calc",
             f"trainer.total_iterations={ITERATIONS}", "trainer.save_every=1", "trainer.val_every=0",
             f"data.train_batch_size={PROMPTS}", f"rollout.n={N}", "actor.mini_batch_size=16", "actor.micro_batch_size=8",
-            "data.train_size=64", "data.val_size=8", "rollout.max_new_tokens=112", "actor.lr=1e-4",
+            "data.train_size=64", "data.val_size=8", "rollout.max_new_tokens=144", "actor.lr=1e-4",
             "actor.use_kl_loss=true", "rollout.multi_turn.enable=true",
             "rollout.multi_turn.tools=engine.builtin_tools:calculator", *extra]
 
@@ -86,7 +86,10 @@ def test_turns_observations_and_masks(reference: dict, calc_model_dir: Path) -> 
             assert int(rollout["tool_calls"][r]) == len(observations)
             # the holes hold exactly the observations, in their wrapping; no loss and no behaviour log-prob there
             hole_text = tokenizer.decode(rollout["responses"][r][holes].tolist())
-            assert hole_text == "".join(f"\n<tool_response>\n{o}\n</tool_response>\n" for o in observations)
+            tool_turns = [t for t in turns if t["role"] == "tool"]
+            assert hole_text == "".join(t["text"] for t in tool_turns)
+            for t in tool_turns:  # the format's wrapping, cut only by the length limit
+                assert f"\n<tool_response>\n{t['content']}\n</tool_response>\n".startswith(t["text"])
             assert bool((rollout["rollout_logp"][r][holes] == 0).all())
             # each observation is the calculator's answer to what the model wrote
             for turn, observation in zip([t for t in turns if t["role"] == "assistant"], observations):
@@ -135,4 +138,5 @@ def test_a_broken_tool_gives_error_observations(cli: Cli, calc_model_dir: Path, 
     assert int(rollout["tool_calls"].sum()) > 0
     assert torch.equal(rollout["tool_errors"], rollout["tool_calls"])
     turns = [t for row in rollout["turns"] for t in json.loads(row) if t["role"] == "tool"]
-    assert all(t["content"] == "error: calculator failed: RuntimeError: the tool broke" for t in turns)
+    assert all(t["content"].startswith("error: ") for t in turns)  # a malformed call's error, or the tool's
+    assert "error: calculator failed: RuntimeError: the tool broke" in [t["content"] for t in turns]

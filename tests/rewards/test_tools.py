@@ -76,3 +76,20 @@ def test_calculator() -> None:
     assert calculator("(2+3)*4-7//2%3") == str((2 + 3) * 4 - 7 // 2 % 3)
     assert calculator("__import__('os')").startswith("error: only integers")
     assert calculator("1+").startswith("error: not an expression")
+
+
+def test_the_tools_reach_a_chat_template_that_renders_them() -> None:
+    from engine.models import encode_prompts, prompt_lengths, prompt_text
+    from engine.tiny import build_tokenizer
+    from engine.tools import describe
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = ("{% if tools %}{% for t in tools %}[{{ t.function.name }}: {{ t.function.description }}]"
+                               "{% endfor %}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}")
+    tools = describe(load_tools(["engine.builtin_tools:calculator"]))
+    messages = [{"role": "user", "content": "1+2="}]
+    assert prompt_text(tokenizer, messages, tools) == \
+        "[calculator: evaluate an integer arithmetic expression (+ - * // %, parentheses)]1+2="
+    assert prompt_text(tokenizer, messages) == "1+2="
+    assert prompt_lengths(tokenizer, [messages], tools)[0] == len(prompt_text(tokenizer, messages, tools))
+    assert encode_prompts(tokenizer, [messages], tools=tools).input_ids.shape[1] == prompt_lengths(tokenizer, [messages], tools)[0]
