@@ -12,7 +12,7 @@ from engine.synthetic import make_rows
 from flows.cli import main
 
 
-@pytest.mark.parametrize("task", ["arith", "sort", "countdown"])
+@pytest.mark.parametrize("task", ["arith", "sort", "countdown", "calc"])
 def test_data_make_writes_readable_parquet(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], task: str
 ) -> None:
@@ -33,6 +33,6 @@ def test_data_make_writes_readable_parquet(
 def test_data_make_unknown_task_is_one_error_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["data", "make", "chess", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert err == "rlflow: error: unknown synthetic task 'chess'; allowed: arith, sort, countdown\n"
+    assert err == "rlflow: error: unknown synthetic task 'chess'; allowed: arith, sort, countdown, calc\n"
     assert main(["data", "make", "arith", str(tmp_path), "--n", "0"]) == 2
     assert "row counts must be positive" in capsys.readouterr().err
