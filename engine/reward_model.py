@@ -274,7 +274,13 @@ def build_tiny_rm(out_dir: str | Path, task: str = "sort", seed: int = 0, steps:
     ("Q: ...\nA: ..."), a Bradley-Terry loss -log sigmoid(r_chosen - r_rejected) on `steps` batches of
     pairs drawn from the policy's own samples and synthetic candidates."""
     from engine.models import load_model
-    from engine.tiny import BUILD_THREADS, cached_tiny, deterministic_cpu
+    from engine.tiny import (
+        BUILD_THREADS,
+        _portable_tokenizer_class,
+        _readable,
+        cached_tiny,
+        deterministic_cpu,
+    )
 
     if steps < 0:
         raise ConfigError(f"steps must be >= 0, got {steps}")
@@ -306,15 +312,12 @@ def build_tiny_rm(out_dir: str | Path, task: str = "sort", seed: int = 0, steps:
         model.config.architectures = ["LlamaForSequenceClassification"]
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        config_path = tmp / "tokenizer_config.json"
-        tok_config = json.loads(config_path.read_text())
-        tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
-        config_path.write_text(json.dumps(tok_config, indent=2) + "\n")
+        _portable_tokenizer_class(tmp)
         report = TinyRMReport(task=task, seed=seed, steps=steps, held_out_pair_accuracy=round(accuracy, 4),
                               held_out_pairs=len(held_out), build_seconds=round(time.perf_counter() - started, 2),
                               num_parameters=sum(p.numel() for p in model.parameters()))
         (tmp / RM_REPORT).write_text(json.dumps(asdict(report), indent=2) + "\n")
-        tmp.chmod(0o755)
+        _readable(tmp)
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

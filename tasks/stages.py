@@ -213,7 +213,8 @@ def _dynamic_sampling(ctx: StageContext, iteration: int, stage: StageSpec, versi
         out = out.with_columns(response_text=decode_responses(ctx.tokenizer, out["responses"]))
         tokens += float(out["response_mask"].sum())
         drawn += len(out) // n
-        varied = rule_scores(ctx, out)[0].view(-1, n).std(dim=1) > 0  # one flag per group
+        rule, penalty, _ = rule_scores(ctx, out)
+        varied = (rule + penalty).view(-1, n).std(dim=1) > 0  # one flag per group
         for g in range(len(varied)):
             (kept if bool(varied[g]) else dropped).append(out.index(list(range(g * n, (g + 1) * n))))
     kept_groups = min(len(kept), want)
@@ -314,15 +315,15 @@ def _score(ctx: StageContext, batch: Batch, text_key: str = "response_text", cfg
     return torch.tensor(scores, dtype=torch.float32)
 
 
-def rule_scores(ctx: StageContext, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-    """The rule reward of each response, with DAPO's overlong shaping on top when it is on, and its metrics."""
-    score = _score(ctx, batch)
+def rule_scores(ctx: StageContext, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """(the rule reward of each response, DAPO's overlong shaping penalty (zeros when off), its metrics)."""
+    rule = _score(ctx, batch)
     if not ctx.plan.reward.overlong_buffer_len:
-        return score, {}
+        return rule, torch.zeros_like(rule), {}
     penalty = overlong_penalty(batch["response_mask"].sum(dim=1), ctx.plan.rollout.max_new_tokens,
                                ctx.plan.reward.overlong_buffer_len, ctx.plan.reward.overlong_penalty_factor)
-    return score + penalty, {"reward/overlong_penalty_mean": float(penalty.mean()),
-                             "reward/overlong_share": float((penalty < 0).float().mean())}
+    return rule, penalty, {"reward/overlong_penalty_mean": float(penalty.mean()),
+                           "reward/overlong_share": float((penalty < 0).float().mean())}
 
 
 @stage_task("score_rewards")
@@ -335,17 +336,16 @@ def score_rewards(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[
         return done
     batch = _inputs(ctx, stage, inputs)
     start = time.perf_counter()
-    score, metrics = rule_scores(ctx, batch)
+    rule, penalty, metrics = rule_scores(ctx, batch)
+    score = rule + penalty
     columns = {}
     model = ctx.plan.reward.model
     if model.path is not None:  # the learned reward model, weighed with the rule (shaping stays on top)
-        rule = _score(ctx, batch)
-        shaping = score - rule
         rm = ctx.engine(stage.name).score_responses(Batch(
             {"row_index": batch["row_index"]},
             {"prompt_json": [json.dumps(ctx.dataset("train")[i].prompt) for i in batch["row_index"].tolist()],
              "response_text": batch["response_text"]}))["rm_score"]
-        score = ctx.plan.reward.rule_weight * rule + model.weight * rm + shaping
+        score = ctx.plan.reward.rule_weight * rule + model.weight * rm + penalty
         columns = {"rule_score": rule, "rm_score": rm}
         metrics.update({"reward/rule/mean": float(rule.mean()), "reward/rm/mean": float(rm.mean()),
                         "reward/rm/std": float(rm.std()) if len(rm) > 1 else 0.0,
