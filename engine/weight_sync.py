@@ -1,7 +1,7 @@
 """Weights from the training pool to the rollout pool (placement.mode=split), over a collective group
 that spans both: the training group's rank 0 and every rollout rank, in buckets.
 
-    group = join_sync_group(host, port, rank, world_size)          # once per engine start, every member
+    group = join_sync_group(store, rank, world_size, timeout_s)    # once per engine start, every member
     send(group, state, bucket_bytes)                                # training rank 0: the full weights
     receive(group, targets, bucket_bytes)                           # every rollout rank, into its model
 
@@ -33,11 +33,10 @@ class SyncGroup:
     world_size: int
 
 
-def join_sync_group(host: str, port: int, rank: int, world_size: int, timeout_s: float) -> SyncGroup:
-    """Join the sync group; every member calls it at once (it returns when all have joined). Rank 0
-    hosts the group's TCP store."""
+def join_sync_group(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> SyncGroup:
+    """Join the sync group; every member calls it at once (it returns when all have joined). `store`:
+    the group's TCP store, hosted by rank 0 (see BaseWorker.rendezvous_store)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
     group = dist.ProcessGroupGloo(dist.PrefixStore("rlflow-weight-sync", store), rank, world_size, timeout)
     return SyncGroup(group, rank, world_size)
 

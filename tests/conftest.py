@@ -131,6 +131,72 @@ def cli(stack_home: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: AN
     return Cli(env)
 
 
+# -- the fast tier ------------------------------------------------------------------------------------
+# `python -m pytest -q -m "not slow"` is the everyday tier: unit and single-process tests. A test that
+# starts a service (Ray, a Prefect server, the S3 server) or a run must be marked `slow`; this guard makes
+# an unmarked one fail at the process start, naming what it started.
+
+_SERVICES = (  # (a part of the command line, what it starts)
+    ("infra.s3server", "the S3 server"),
+    ("gcs_server", "a Ray node"),
+    ("raylet", "a Ray node"),
+    ("prefect.server", "a Prefect server"),
+    ("uvicorn", "a Prefect server"),
+)
+_FAST_ITEM: list[str] = []  # the node id of the running test when it is in the fast tier
+
+
+def service_started_by(argv: object) -> str | None:
+    """What the command line `argv` starts among the services, or None."""
+    parts = [str(a) for a in argv] if isinstance(argv, (list, tuple)) else str(argv).split()
+    joined = " ".join(parts)
+    for needle, what in _SERVICES:
+        if needle in joined:
+            return what
+    names = [Path(p).name for p in parts[:3]]
+    if names[:1] == ["ray"] and "start" in parts:
+        return "a Ray node"
+    if names[:1] == ["prefect"] and "server" in parts:
+        return "a Prefect server"
+    return None
+
+
+_popen_init = subprocess.Popen.__init__
+
+
+def _guarded_popen_init(self, args, *rest, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    what = service_started_by(args)
+    if what is not None and _FAST_ITEM:
+        raise RuntimeError(f"{_FAST_ITEM[0]} starts {what} but is not marked slow: mark it "
+                           "(pytestmark = [pytest.mark.integration, pytest.mark.slow])")
+    _popen_init(self, args, *rest, **kwargs)
+
+
+subprocess.Popen.__init__ = _guarded_popen_init  # type: ignore[method-assign]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[object]:
+    fast = item.get_closest_marker("slow") is None
+    if fast:
+        _FAST_ITEM.append(item.nodeid)
+    try:
+        return (yield)
+    finally:
+        if fast:
+            _FAST_ITEM.clear()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that uses a service fixture is in the slow tier whatever its marks say: refuse the
+    collection otherwise (the runtime guard above catches the services a test starts by itself)."""
+    services = {"s3_server", "s3_env", "stack_home", "cli", "ray_address", "api_url", "prefect"}
+    unmarked = [item.nodeid for item in items
+                if services & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("slow") is None]
+    if unmarked:
+        raise pytest.UsageError("these tests use a service fixture and are not marked slow: " + ", ".join(unmarked))
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[pytest.TestReport]:
     report = yield

@@ -78,6 +78,7 @@ def test_an_unreachable_s3_endpoint_fails_in_bounded_time(
     assert endpoint in rows["storage"].fix and "rlflow infra s3" in rows["storage"].fix
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_s3_storage_probe_against_the_dev_server(s3_server, s3_env, monkeypatch: pytest.MonkeyPatch) -> None:
     ok = check_storage(load_config(None, [f"storage.root=s3://{s3_server.bucket}/doctor"]))

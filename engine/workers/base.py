@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import functools
 import os
-import socket
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -51,18 +50,28 @@ class RankWorker:
 
     # -- rendezvous ---------------------------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
-        """Rank 0's address and a free port for torch.distributed's TCP store."""
+        """Rank 0's address and the port of a torch.distributed TCP store it already listens on (bound to
+        port 0 here and held until a group takes it: probing for a free port and binding it later raced
+        with every other process on the node, which could take the port in between: EADDRINUSE)."""
         host = _node_ip()
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
-        return host, port
+        self._rendezvous_store = dist.TCPStore(host, 0, None, is_master=True, wait_for_workers=False)
+        return host, int(self._rendezvous_store.port)
+
+    def rendezvous_store(self, host: str, port: int, timeout_s: float, *, master: bool) -> dist.Store:
+        """The TCP store of a rendezvous: the one `rendezvous_address` holds (the master), or a client."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        held = getattr(self, "_rendezvous_store", None)
+        if master and held is not None:
+            self._rendezvous_store = None
+            held.set_timeout(timeout)
+            return held
+        return dist.TCPStore(host, port, None, is_master=master, timeout=timeout, wait_for_workers=False)
 
     def init_distributed(self, host: str, port: int, backend: str, timeout_s: float) -> None:
         # One rank still forms a group, so FSDP and the collectives run the same code path.
         dist.init_process_group(
             backend,
-            init_method=f"tcp://{host}:{port}",
+            store=self.rendezvous_store(host, port, timeout_s, master=self.rank == 0),
             rank=self.rank,
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),

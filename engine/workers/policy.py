@@ -298,7 +298,8 @@ class PolicyWorker(RankWorker):
     def join_sync_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
         """placement.mode=split: rank 0 joins the group spanning it and the rollout ranks, as their sender."""
         if self.rank == 0:
-            self.sync_group = weight_sync.join_sync_group(host, port, 0, world_size, timeout_s)
+            store = self.rendezvous_store(host, port, timeout_s, master=True)
+            self.sync_group = weight_sync.join_sync_group(store, 0, world_size, timeout_s)
 
     @traced
     def send_weights(self, bucket_mb: float) -> dict[str, float]:

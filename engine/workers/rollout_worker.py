@@ -57,7 +57,8 @@ class RolloutWorker(RankWorker):
 
     # -- weights -----------------------------------------------------------------------------------
     def join_sync_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
-        self.sync_group = weight_sync.join_sync_group(host, port, 1 + self.rank, world_size, timeout_s)
+        store = self.rendezvous_store(host, port, timeout_s, master=False)
+        self.sync_group = weight_sync.join_sync_group(store, 1 + self.rank, world_size, timeout_s)
 
     def _targets(self) -> dict[str, torch.Tensor]:
         if self.lora:  # the adapters (and modules_to_save): what the actor trains

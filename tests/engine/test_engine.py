@@ -21,7 +21,7 @@ from engine.workers.critic import CriticSpec
 from engine.workers.group import list_engines
 from engine.workers.policy import PolicySpec
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def make_spec(model_dir: Path, run_id: str, *, world_size: int = 2, use_ref: bool = True,

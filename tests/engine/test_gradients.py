@@ -39,7 +39,7 @@ from engine.synthetic import make_rows
 from engine.workers.critic import CriticSpec, response_values
 from engine.workers.policy import PolicySpec, response_logits
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROWS, T, TEMPERATURE = 20, 8, 0.9
 MICRO_SIZES = (1, 3, ROWS)  # 3: chunks of 3, 3, 3, 1 per rank with 2 ranks (3 x 6 + 2 with one)

@@ -20,7 +20,7 @@ from engine.workers.critic import CriticSpec
 from engine.workers.policy import response_logits
 from tests.engine.test_engine import make_spec, prompts
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 LORA = LoraConfig(rank=4, alpha=8)
 

@@ -45,6 +45,7 @@ def test_placement_plans_fit_or_are_refused_with_the_numbers(tiny_model_dir: Pat
         check_fits(spec.model_copy(update={"world_size": 1, "num_gpus_per_rank": 0.5}), {"CPU": 8.0})
 
 
+@pytest.mark.slow
 def test_a_plan_larger_than_the_cluster_starts_no_actor(ray_address: str, tiny_model_dir: Path) -> None:
     spec = split_spec(tiny_model_dir, "too-big", rollout_ranks=3)  # 5 CPUs on a 4-CPU cluster
     with pytest.raises(ConfigError, match="= 5 CPUs, the cluster has 4"):
@@ -52,6 +53,7 @@ def test_a_plan_larger_than_the_cluster_starts_no_actor(ray_address: str, tiny_m
     assert "too-big" not in list_engines()
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_bucketed_sync_gives_both_pools_the_same_weights_and_sets_the_version_last(

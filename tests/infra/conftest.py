@@ -16,7 +16,8 @@ from infra.store import ObjectStore
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 
-@pytest.fixture(params=["local", "s3"])
+# The S3 half starts the S3 server: it is in the slow tier (tests/conftest.py).
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.slow)])
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 

@@ -95,6 +95,7 @@ def _big_batch() -> Batch:
                  columns={"uid": list(range(1000))}, meta={"iteration": 7})
 
 
+@pytest.mark.slow
 def test_s3_down_for_5s_during_a_buffer_write_then_back(s3_proxy: ProxyProcess, caplog) -> None:
     s3_proxy.start("--rate", "1500000")  # ~3 s for the upload: it is surely in flight when killed
     store = ObjectStore("s3://rlflow-test/outage", endpoint_url=s3_proxy.endpoint_url,
@@ -121,6 +122,7 @@ def test_s3_down_for_5s_during_a_buffer_write_then_back(s3_proxy: ProxyProcess, 
     assert "retry" in caplog.text
 
 
+@pytest.mark.slow
 def test_a_hung_s3_server_becomes_a_retry(s3_proxy: ProxyProcess) -> None:
     s3_proxy.start()
     store = ObjectStore("s3://rlflow-test/hung", endpoint_url=s3_proxy.endpoint_url, connect_timeout_s=1.0,
@@ -138,6 +140,7 @@ def test_a_hung_s3_server_becomes_a_retry(s3_proxy: ProxyProcess) -> None:
     assert result.get("value") == b"value" and time.monotonic() - start >= 3.0
 
 
+@pytest.mark.slow
 def test_a_hung_server_without_retries_left_fails_in_bounded_time(s3_proxy: ProxyProcess) -> None:
     s3_proxy.start()
     store = ObjectStore("s3://rlflow-test/hung2", endpoint_url=s3_proxy.endpoint_url, connect_timeout_s=0.5,

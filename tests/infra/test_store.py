@@ -166,6 +166,7 @@ def test_url_and_key_are_inverse(store: ObjectStore) -> None:
 # ------------------------------------------------------------------ permanent errors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["no_bucket", "bad_secret", "bad_key_id"])
 def test_s3_permanent_errors_fail_at_once_with_a_clear_message(s3_env, case: str) -> None:
     root, kwargs = "s3://rlflow-test/x", {}
@@ -197,6 +198,7 @@ def test_local_permanent_error_fails_at_once(tmp_path) -> None:
     assert time.monotonic() - start < 1.0
 
 
+@pytest.mark.slow
 def test_unreachable_endpoint_is_retried_then_reported(s3_env) -> None:
     store = ObjectStore("s3://rlflow-test/x", endpoint_url="http://127.0.0.1:9", retry_attempts=3,
                         retry_max_wait_s=0.2)
@@ -206,6 +208,7 @@ def test_unreachable_endpoint_is_retried_then_reported(s3_env) -> None:
     assert time.monotonic() - start < 3.0
 
 
+@pytest.mark.slow
 def test_throttling_is_retried(s3_proxy) -> None:
     # The proxy answers the first three requests with 503 SlowDown, as S3 does under load.
     s3_proxy.start("--fail-first", "3")
@@ -286,6 +289,7 @@ def test_retry_backoff_is_bounded(tmp_path) -> None:
 # ------------------------------------------------------------------- credentials
 
 
+@pytest.mark.slow
 def test_credentials_never_leak(s3_env, caplog) -> None:
     secret = s3_env["AWS_SECRET_ACCESS_KEY"]
     cfg = StorageConfig(root="s3://rlflow-test/leak", access_key_id=s3_env["AWS_ACCESS_KEY_ID"],
@@ -304,6 +308,7 @@ def test_credentials_never_leak(s3_env, caplog) -> None:
     assert clone.get_bytes("k") == b"works"
 
 
+@pytest.mark.slow
 def test_config_credentials_are_used(s3_env, monkeypatch) -> None:
     key, secret = s3_env["AWS_ACCESS_KEY_ID"], s3_env["AWS_SECRET_ACCESS_KEY"]
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-in-env")

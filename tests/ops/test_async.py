@@ -22,6 +22,8 @@ from tests.ops.test_faults import REWARD, buffers
 from tests.services import Cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# Given to the first resume (faults are not part of the config hash: the run keeps its engine and stages).
+KILL_AFTER_UPDATE_3 = ("debug.kill_flow_after=update_policy", "debug.kill_iteration=3")
 ITERATIONS = 4
 SPLIT = ("placement.mode=split", "trainer.world_size=1", "placement.rollout_ranks=1", "placement.cpus_per_rank=1")
 
@@ -107,47 +109,40 @@ def test_async_rollouts_use_the_scheduled_versions_and_overlap_updates(reference
         assert spans[(i, "sync_weights")][0] >= spans[(i + 1, "generate_rollouts")][1]
 
 
-def test_async_flow_and_engine_killed_then_resumed(cli: Cli, tiny_model_dir: Path, tmp_path: Path,
-                                                   reference: dict) -> None:
-    """The flow process dies right after the update of iteration 3, and its engine with it (a lost
-    machine): the resume starts a new engine, replays iterations 1-2 from their buffers (no checkpoint
-    yet), gives the rollout pool version 2, and goes on."""
-    first = cli("train", *args(tiny_model_dir, tmp_path, "async-kill", *SPLIT, "trainer.max_staleness=1",
-                               "debug.kill_flow_after=update_policy", "debug.kill_iteration=3"))
-    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
-    assert cli("engine", "stop", "async-kill").returncode == 0
-    before = buffers(tmp_path, "async-kill")
-    resumed = cli("train", "--resume", "async-kill", f"storage.root={tmp_path}")
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    logs = resumed.stdout + resumed.stderr
-    assert "replaying the updates of iteration 2" in logs, logs[-3000:]
-    after = buffers(tmp_path, "async-kill")
-    assert all(after[k] == v for k, v in before.items())  # every complete buffer kept, none rewritten
-    assert_equal_weights(weights(tmp_path, "async-kill"), reference["weights"])
-    assert [m["async/rollout_version"] for m in metrics(tmp_path, "async-kill")] == [0, 0, 1, 2]
-
-
-def test_failed_async_iteration_goes_on_reusing_its_finished_stages(cli: Cli, tiny_model_dir: Path,
-                                                                    tmp_path: Path, reference: dict) -> None:
-    """compute_advantages of iteration 3 fails past its retries: the run fails with iteration 2 committed
-    (and the rollout of 4, which overlapped, in storage). Run again, it reuses iteration 3's rollout,
-    reward and log-probs and iteration 4's rollout, and ends with the uninterrupted run's weights."""
+def test_failed_then_killed_async_run_resumes_like_the_uninterrupted_one(cli: Cli, tiny_model_dir: Path,
+                                                                        tmp_path: Path, reference: dict) -> None:
+    """One run carries both faults. compute_advantages of iteration 3 fails past its retries: the run fails
+    with iteration 2 committed (and the rollout of 4, which overlapped, in storage). Run again, it reuses
+    iteration 3's finished stages, and the flow process dies right after the update of iteration 3, its
+    engine with it (a lost machine): the second resume starts a new engine, replays iterations 1-2 from
+    their buffers (no checkpoint yet), gives the rollout pool version 2, and goes on to the uninterrupted
+    run's weights. No complete buffer is ever rewritten."""
     failed = cli("train", *args(tiny_model_dir, tmp_path, "async-fail", *SPLIT, "trainer.max_staleness=1",
                                 "debug.fail_stage=compute_advantages", "debug.fail_times=3",
                                 "debug.fail_iteration=3"))
-    assert failed.returncode != 0
+    assert failed.returncode != 0 and failed.returncode != -signal.SIGKILL, failed.stderr[-3000:]
     assert "debug.fail_stage=compute_advantages: failure 3 of 3" in failed.stdout + failed.stderr
-    done = metrics_done(tmp_path, "async-fail")
-    assert done == [1, 2]
+    assert metrics_done(tmp_path, "async-fail") == [1, 2]
     before = buffers(tmp_path, "async-fail")
     assert any("iter_000004/rollout" in k for k in before)  # generated while iteration 3 ran
-    again = cli("train", "--resume", "async-fail", f"storage.root={tmp_path}")
-    assert again.returncode == 0, again.stderr[-4000:]
+    killed = cli("train", "--resume", "async-fail", f"storage.root={tmp_path}", *KILL_AFTER_UPDATE_3)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert cli("engine", "stop", "async-fail").returncode == 0
+    # killed by the resume, after iteration 3's update and before its commit
+    assert (tmp_path / "async-fail" / "debug" / "killed_after_update_policy_000003").exists()
+    assert metrics_done(tmp_path, "async-fail") == [1, 2]
+    after_kill = buffers(tmp_path, "async-fail")
+    assert all(after_kill[k] == v for k, v in before.items())  # iteration 3's finished stages were reused
+    resumed = cli("train", "--resume", "async-fail", f"storage.root={tmp_path}")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    logs = resumed.stdout + resumed.stderr
+    assert "replaying the updates of iteration 2" in logs, logs[-3000:]
     after = buffers(tmp_path, "async-fail")
-    assert all(after[k] == v for k, v in before.items())
+    assert all(after[k] == v for k, v in after_kill.items())  # every complete buffer kept, none rewritten
     line = metrics(tmp_path, "async-fail")[2]
     assert line["stages/reused"] >= 3  # rollout, reward, old log-probs of iteration 3
     assert_equal_weights(weights(tmp_path, "async-fail"), reference["weights"])
+    assert [m["async/rollout_version"] for m in metrics(tmp_path, "async-fail")] == [0, 0, 1, 2]
 
 
 def metrics_done(root: Path, run_id: str) -> list[int]:

@@ -211,6 +211,7 @@ def test_unreachable_s3_endpoint_fails_fast(offline: Offline, tmp_path: Path) ->
     assert seconds < 30, f"took {seconds:.1f}s"
 
 
+@pytest.mark.slow
 def test_wrong_s3_credentials(offline: Offline, tmp_path: Path, s3_server: Any) -> None:
     from infra.s3server import DEV_ACCESS_KEY_ID, DEV_SECRET_ACCESS_KEY
 

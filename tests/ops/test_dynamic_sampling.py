@@ -24,6 +24,8 @@ from tests.ops.test_faults import buffers
 from tests.services import Cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# Given to the first resume (faults are not part of the config hash: the run keeps its engine and stages).
+KILL_AFTER_UPDATE_2 = ("debug.kill_flow_after=update_policy", "debug.kill_iteration=2")
 ITERATIONS, N, PROMPTS, DRAWS = 3, 4, 4, 3
 
 
@@ -90,35 +92,32 @@ def test_kept_groups_differ_and_the_sampler_follows_on(reference: dict) -> None:
                                 for m in lines])
 
 
-def test_dynamic_sampling_killed_and_resumed(cli: Cli, tiny_model_dir: Path, tmp_path: Path,
-                                             reference: dict) -> None:
-    first = cli("train", *args(tiny_model_dir, tmp_path, "ds-kill", "debug.kill_flow_after=update_policy",
-                               "debug.kill_iteration=2"))
-    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
-    assert cli("engine", "stop", "ds-kill").returncode == 0
-    before = buffers(tmp_path, "ds-kill")
-    resumed = cli("train", "--resume", "ds-kill", f"storage.root={tmp_path}")
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    after = buffers(tmp_path, "ds-kill")
-    assert all(after[k] == v for k, v in before.items())  # every complete buffer kept, none rewritten
-    assert_equal_weights(weights(tmp_path, "ds-kill"), reference["weights"])
-    got = metrics(tmp_path, "ds-kill")
-    for key in ("sampling/next_step", "sampling/groups_kept", "critic/score/mean"):
-        assert [m[key] for m in got] == [m[key] for m in reference["metrics"]], key
-
-
-def test_failed_dynamic_sampling_iteration_reuses_its_rollout(cli: Cli, tiny_model_dir: Path, tmp_path: Path,
-                                                              reference: dict) -> None:
+def test_failed_then_killed_dynamic_sampling_run_resumes_like_the_uninterrupted_one(
+        cli: Cli, tiny_model_dir: Path, tmp_path: Path, reference: dict) -> None:
+    """One run carries both faults: compute_advantages of iteration 2 fails past its retries (the run
+    fails with iteration 1 committed); run again, it reuses iteration 2's rollout and is killed, flow and
+    engine, right after that iteration's update; the second resume starts a new engine and ends with the
+    uninterrupted run's weights and sampler steps. No complete buffer is ever rewritten."""
     failed = cli("train", *args(tiny_model_dir, tmp_path, "ds-fail", "debug.fail_stage=compute_advantages",
                                 "debug.fail_times=3", "debug.fail_iteration=2"))
-    assert failed.returncode != 0
+    assert failed.returncode != 0 and failed.returncode != -signal.SIGKILL, failed.stderr[-3000:]
     assert metrics_done(tmp_path, "ds-fail") == [1]
     before = buffers(tmp_path, "ds-fail")
     assert any("iter_000002/rollout" in k for k in before)
+    killed = cli("train", "--resume", "ds-fail", f"storage.root={tmp_path}", *KILL_AFTER_UPDATE_2)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert cli("engine", "stop", "ds-fail").returncode == 0
+    # killed by the resume, after iteration 2's update and before its commit
+    assert (tmp_path / "ds-fail" / "debug" / "killed_after_update_policy_000002").exists()
+    assert metrics_done(tmp_path, "ds-fail") == [1]
+    after_kill = buffers(tmp_path, "ds-fail")
+    assert all(after_kill[k] == v for k, v in before.items())  # the failed iteration's rollout was reused
     again = cli("train", "--resume", "ds-fail", f"storage.root={tmp_path}")
     assert again.returncode == 0, again.stderr[-4000:]
     after = buffers(tmp_path, "ds-fail")
-    assert all(after[k] == v for k, v in before.items())
+    assert all(after[k] == v for k, v in after_kill.items())  # every complete buffer kept, none rewritten
     assert metrics(tmp_path, "ds-fail")[1]["stages/reused"] >= 2  # the rollout and the reward of iteration 2
     assert_equal_weights(weights(tmp_path, "ds-fail"), reference["weights"])
-
+    got = metrics(tmp_path, "ds-fail")
+    for key in ("sampling/next_step", "sampling/groups_kept", "critic/score/mean"):
+        assert [m[key] for m in got] == [m[key] for m in reference["metrics"]], key

@@ -219,6 +219,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_up_flow_down(
     stack: LocalStack, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:

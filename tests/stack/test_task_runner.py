@@ -16,6 +16,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_tasks_follow_the_flows_settings_and_are_recorded_under_their_flow(stack_home: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RAY_"))}
