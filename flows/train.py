@@ -577,10 +577,20 @@ def connect_ray(address: str, cfg: RLConfig) -> None:
     """Join the Ray cluster that outlives the flow as a driver, before the flow starts: a RayTaskRunner
     that finds Ray initialised uses it and leaves it running (one that starts Ray kills it at flow end,
     and the detached engine with it)."""
+    global _connected
+    wanted = (address, cfg.ray.namespace, worker_env(cfg))
     if ray.is_initialized():
-        return
+        if _connected is None or _connected == wanted:
+            return  # Ray set up by whoever called (used as it is), or this run's own connection again
+        # A later run in this process (a notebook, tests/warm_cli.py) with another cluster, namespace or
+        # worker environment (storage credentials): the job's stage workers must not keep the old one.
+        ray.shutdown()
     ray.init(address=address, namespace=cfg.ray.namespace, log_to_driver=False, logging_level="WARNING",
-             runtime_env={"env_vars": worker_env(cfg)})
+             runtime_env={"env_vars": wanted[2]})
+    _connected = wanted
+
+
+_connected: tuple[str, str, dict[str, str]] | None = None  # what connect_ray joined with, in this process
 
 
 # What the Ray workers running stages need from this process's environment. Credentials are NOT

@@ -551,10 +551,13 @@ def apply_connect_env(info: StackInfo, environ: MutableMapping[str, str] | None 
     `_enable_token_auth`). Setting the environment before importing either needs neither.
     """
     target = os.environ if environ is None else environ
-    target.update(connect_env(info))
+    wanted = connect_env(info)
+    unchanged = all(target.get(k) == v for k, v in wanted.items()) and not (
+        info.ray_auth is not None and "RAY_AUTH_TOKEN" in target)
+    target.update(wanted)
     if info.ray_auth is not None:
         target.pop("RAY_AUTH_TOKEN", None)
-    if environ is not None:
+    if environ is not None or unchanged:  # unchanged: a later run in this process (nothing to re-read)
         return
     if "prefect" in sys.modules:
         from prefect.context import refresh_global_settings_context

@@ -131,6 +131,17 @@ def cli(stack_home: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: AN
     return Cli(env)
 
 
+@pytest.fixture(scope="session")
+def warm_cli(cli, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN001, ANN201
+    """`rlflow ...` in one long-lived process of this session (tests/services.WarmCli): for runs whose
+    claims are not about their process; it keeps the Ray job's stage workers from run to run."""
+    from tests.services import WarmCli
+
+    warm = WarmCli(cli.env, tmp_path_factory.mktemp("warm-cli"))
+    yield warm
+    warm.close()
+
+
 # -- the fast tier ------------------------------------------------------------------------------------
 # `python -m pytest -q -m "not slow"` is the everyday tier: unit and single-process tests. A test that
 # starts a service (Ray, a Prefect server, the S3 server) or a run must be marked `slow`; this guard makes
@@ -210,7 +221,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     test that uses a service fixture is in the slow tier whatever its marks say: refuse the collection
     otherwise (the runtime guard above catches the services a test starts by itself)."""
     items.sort(key=_file_rank)
-    services = {"s3_server", "s3_env", "stack_home", "cli", "ray_address", "api_url", "prefect"}
+    services = {"s3_server", "s3_env", "stack_home", "cli", "ray_address", "api_url", "prefect", "warm_cli"}
     unmarked = [item.nodeid for item in items
                 if services & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("slow") is None]
     if unmarked:

@@ -58,6 +58,62 @@ class Cli:
                                 stderr=subprocess.STDOUT, text=True)
 
 
+class WarmCli:
+    """`rlflow ...` run in one long-lived process (tests/warm_cli.py) instead of one process per command:
+    what a command does and prints is the same (the same `flows.cli.main`, its output and exit code
+    returned as `Cli` returns them), and the process's Ray job keeps its stage workers from run to run.
+
+    For runs and their assertions, not for what is about the process itself: a run that kills its own
+    process (`debug.kill_flow_after`), Ctrl-C, and the first part of a run whose resume must start from
+    storage alone (run that part with `Cli`, in its own process: the resume here never saw it). The
+    `engine` commands join Ray as their own driver: run them with `Cli`."""
+
+    def __init__(self, env: dict[str, str], folder: Path) -> None:
+        self.env, self.folder = env, folder
+        self.proc: subprocess.Popen[str] | None = None
+        self.count = 0
+
+    def __call__(self, *args: str, timeout: float = 600, env: dict[str, str] | None = None
+                 ) -> subprocess.CompletedProcess[str]:
+        import json
+        import threading
+
+        if args[:1] == ("engine",):
+            raise ValueError("run `rlflow engine ...` with Cli: it joins Ray as its own driver")
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "warm_cli.py")], cwd=REPO,
+                                         env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.count += 1
+        out = self.folder / f"command-{self.count:03d}"
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"argv": list(args), "env": env or {}, "out": str(out)}) + "\n")
+        self.proc.stdin.flush()
+        timer = threading.Timer(timeout, self.proc.kill)  # a hung command fails its test, not the session
+        timer.start()
+        try:
+            answer = self.proc.stdout.readline()
+        finally:
+            timer.cancel()
+        stdout = Path(f"{out}.stdout").read_text() if Path(f"{out}.stdout").exists() else ""
+        stderr = Path(f"{out}.stderr").read_text() if Path(f"{out}.stderr").exists() else ""
+        if not answer:
+            code = self.proc.wait()
+            self.proc = None
+            raise AssertionError(f"the warm CLI process ended ({code}) during `rlflow {' '.join(args)}`:\n"
+                                 f"{stderr[-4000:]}")
+        return subprocess.CompletedProcess(["rlflow", *args], json.loads(answer)["rc"], stdout, stderr)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
 def _ray_bin() -> str:
     return str(Path(sys.executable).with_name("ray"))
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.services import Cli
+from tests.services import Cli, WarmCli
 
 REWARD = f"reward.function={Path(__file__).resolve().parents[1] / 'pipeline' / 'rewards.py'}:digit_share"
 FLOW = "rlflow-scheduled"
@@ -30,13 +30,13 @@ def run_args(model: Path, root: Path, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def reference(cli: Cli, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def reference(warm_cli: WarmCli, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The uninterrupted single-node run of tests/ops/test_faults.py's `args`: its final weights and the
     prompt rows of each iteration, what every fault and cluster test must end with."""
     from tests.ops.test_faults import args, sampler_record, weights
 
     root = tmp_path_factory.mktemp("reference")
-    proc = cli("train", *args(tiny_model_dir, str(root), "reference"))
+    proc = warm_cli("train", *args(tiny_model_dir, str(root), "reference"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {"weights": weights(root, "reference"), "record": sampler_record(root, "reference")}
 

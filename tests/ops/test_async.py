@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.ops.test_faults import REWARD, buffers
-from tests.services import Cli
+from tests.services import Cli, WarmCli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 # Given to the first resume (faults are not part of the config hash: the run keeps its engine and stages).
@@ -54,7 +54,8 @@ def assert_equal_weights(got: dict, want: dict) -> None:
 
 @pytest.fixture(scope="module")
 def reference(cli: Cli, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """An uninterrupted asynchronous run (k = 1)."""
+    """An uninterrupted asynchronous run (k = 1). Its own process (`cli`): RLFLOW_CONFIG_READS is read
+    when engine.config is imported."""
     root = tmp_path_factory.mktemp("async-reference")
     reads = root / "reads"
     reads.mkdir()
@@ -74,11 +75,11 @@ def test_the_asynchronous_settings_are_read(reference: dict) -> None:
     assert {f"{cls}.{name}" for cls, name in ASYNC_ONLY.values()} <= reference["read"]
 
 
-def test_k0_on_split_pools_equals_the_on_policy_loop(cli: Cli, tiny_model_dir: Path, tmp_path: Path) -> None:
-    colocated = cli("train", *args(tiny_model_dir, tmp_path, "colocated", "trainer.world_size=1",
+def test_k0_on_split_pools_equals_the_on_policy_loop(warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path) -> None:
+    colocated = warm_cli("train", *args(tiny_model_dir, tmp_path, "colocated", "trainer.world_size=1",
                                    "rollout.weights=copy", "placement.cpus_per_rank=1"))
     assert colocated.returncode == 0, colocated.stderr[-4000:]
-    split = cli("train", *args(tiny_model_dir, tmp_path, "split-k0", *SPLIT))
+    split = warm_cli("train", *args(tiny_model_dir, tmp_path, "split-k0", *SPLIT))
     assert split.returncode == 0, split.stderr[-4000:]
     assert_equal_weights(weights(tmp_path, "split-k0"), weights(tmp_path, "colocated"))
     synced = metrics(tmp_path, "split-k0")
@@ -109,8 +110,9 @@ def test_async_rollouts_use_the_scheduled_versions_and_overlap_updates(reference
         assert spans[(i, "sync_weights")][0] >= spans[(i + 1, "generate_rollouts")][1]
 
 
-def test_failed_then_killed_async_run_resumes_like_the_uninterrupted_one(cli: Cli, tiny_model_dir: Path,
-                                                                        tmp_path: Path, reference: dict) -> None:
+def test_failed_then_killed_async_run_resumes_like_the_uninterrupted_one(cli: Cli, warm_cli: WarmCli,
+                                                                        tiny_model_dir: Path, tmp_path: Path,
+                                                                        reference: dict) -> None:
     """One run carries both faults. compute_advantages of iteration 3 fails past its retries: the run fails
     with iteration 2 committed (and the rollout of 4, which overlapped, in storage). Run again, it reuses
     iteration 3's finished stages, and the flow process dies right after the update of iteration 3, its
@@ -133,7 +135,7 @@ def test_failed_then_killed_async_run_resumes_like_the_uninterrupted_one(cli: Cl
     assert metrics_done(tmp_path, "async-fail") == [1, 2]
     after_kill = buffers(tmp_path, "async-fail")
     assert all(after_kill[k] == v for k, v in before.items())  # iteration 3's finished stages were reused
-    resumed = cli("train", "--resume", "async-fail", f"storage.root={tmp_path}")
+    resumed = warm_cli("train", "--resume", "async-fail", f"storage.root={tmp_path}")  # a process new to the run
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     logs = resumed.stdout + resumed.stderr
     assert "replaying the updates of iteration 2" in logs, logs[-3000:]

@@ -21,7 +21,7 @@ from engine.batch import Batch
 from engine.sampler import PromptSampler
 from tests.ops.test_async import assert_equal_weights, metrics_done
 from tests.ops.test_faults import buffers
-from tests.services import Cli
+from tests.services import Cli, WarmCli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 # Given to the first resume (faults are not part of the config hash: the run keeps its engine and stages).
@@ -53,9 +53,9 @@ def weights(root: Path, run_id: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(cli: Cli, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def reference(warm_cli: WarmCli, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("dynamic-reference")
-    proc = cli("train", *args(tiny_model_dir, root, "ds-ref"))
+    proc = warm_cli("train", *args(tiny_model_dir, root, "ds-ref"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {"root": root, "weights": weights(root, "ds-ref"), "metrics": metrics(root, "ds-ref"),
             "logs": proc.stdout + proc.stderr}
@@ -93,7 +93,7 @@ def test_kept_groups_differ_and_the_sampler_follows_on(reference: dict) -> None:
 
 
 def test_failed_then_killed_dynamic_sampling_run_resumes_like_the_uninterrupted_one(
-        cli: Cli, tiny_model_dir: Path, tmp_path: Path, reference: dict) -> None:
+        cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path, reference: dict) -> None:
     """One run carries both faults: compute_advantages of iteration 2 fails past its retries (the run
     fails with iteration 1 committed); run again, it reuses iteration 2's rollout and is killed, flow and
     engine, right after that iteration's update; the second resume starts a new engine and ends with the
@@ -112,7 +112,7 @@ def test_failed_then_killed_dynamic_sampling_run_resumes_like_the_uninterrupted_
     assert metrics_done(tmp_path, "ds-fail") == [1]
     after_kill = buffers(tmp_path, "ds-fail")
     assert all(after_kill[k] == v for k, v in before.items())  # the failed iteration's rollout was reused
-    again = cli("train", "--resume", "ds-fail", f"storage.root={tmp_path}")
+    again = warm_cli("train", "--resume", "ds-fail", f"storage.root={tmp_path}")  # a process new to the run
     assert again.returncode == 0, again.stderr[-4000:]
     after = buffers(tmp_path, "ds-fail")
     assert all(after[k] == v for k, v in after_kill.items())  # every complete buffer kept, none rewritten

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from safetensors.torch import load_file
 
-from tests.services import Cli
+from tests.services import Cli, WarmCli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REWARD = f"reward.function={Path(__file__).resolve().parents[1] / 'pipeline' / 'rewards.py'}:digit_share"
@@ -84,9 +84,10 @@ def assert_reused(root: Path, run_id: str, iteration: int) -> None:
     assert line["stages/reused"] >= 4, line["stages/reused"]  # rollout, reward, old_logprob, advantage
 
 
-def test_engine_rank_killed_mid_update(cli: Cli, tiny_model_dir: Path, tmp_path: Path, reference: dict) -> None:
+def test_engine_rank_killed_mid_update(warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path,
+                                      reference: dict) -> None:
     start = time.monotonic()
-    proc = cli("train", *args(tiny_model_dir, str(tmp_path), "rank-kill", "debug.kill_rank_mid_update=1",
+    proc = warm_cli("train", *args(tiny_model_dir, str(tmp_path), "rank-kill", "debug.kill_rank_mid_update=1",
                               "debug.kill_iteration=2"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     logs = proc.stdout + proc.stderr
@@ -96,13 +97,14 @@ def test_engine_rank_killed_mid_update(cli: Cli, tiny_model_dir: Path, tmp_path:
     print(f"rank kill: {time.monotonic() - start:.0f} s")
 
 
-def test_hung_rank_mid_update_is_restarted(cli: Cli, tiny_model_dir: Path, tmp_path: Path, reference: dict) -> None:
+def test_hung_rank_mid_update_is_restarted(warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path,
+                                           reference: dict) -> None:
     """Rank 1 stops itself (SIGSTOP) after its first backward of iteration 2: alive, but hung, and rank
     0 blocks in the gradient collective. After the update stage's timeout (trainer.stage_timeouts, here
     20 s; the other stages keep the default) the engine is declared hung,
     stopped, restarted, restored and replayed; the iteration runs again reusing its finished stages."""
     start = time.monotonic()
-    proc = cli("train", *args(tiny_model_dir, str(tmp_path), "hung", "debug.stop_rank_mid_update=1",
+    proc = warm_cli("train", *args(tiny_model_dir, str(tmp_path), "hung", "debug.stop_rank_mid_update=1",
                               "debug.kill_iteration=2", "trainer.stage_timeouts={update_policy: 20}"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     logs = proc.stdout + proc.stderr
@@ -141,8 +143,8 @@ def test_a_killed_controller_is_marked_crashed_by_its_missing_heartbeat(cli: Cli
         assert stopped.returncode == 0, stopped.stderr[-2000:]
 
 
-def test_flow_process_killed_mid_iteration_then_resumed(cli: Cli, tiny_model_dir: Path, tmp_path: Path,
-                                                         reference: dict, prefect: Any) -> None:
+def test_flow_process_killed_mid_iteration_then_resumed(cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path,
+                                                         tmp_path: Path, reference: dict, prefect: Any) -> None:
     """...and the killed process's flow run and its iteration subflow, left "Running" in the UI, are
     marked Crashed by the resumed run, naming it."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
@@ -154,7 +156,7 @@ def test_flow_process_killed_mid_iteration_then_resumed(cli: Cli, tiny_model_dir
                                "debug.kill_iteration=2"))
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
     before = buffers(tmp_path, "flow-kill")
-    resumed = cli("train", "--resume", "flow-kill", f"storage.root={tmp_path}")
+    resumed = warm_cli("train", "--resume", "flow-kill", f"storage.root={tmp_path}")  # not the killed process
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     after = buffers(tmp_path, "flow-kill")
     assert all(after[k] == v for k, v in before.items())  # every complete buffer kept, none rewritten
@@ -169,9 +171,10 @@ def test_flow_process_killed_mid_iteration_then_resumed(cli: Cli, tiny_model_dir
     print(f"flow kill + resume: {time.monotonic() - start:.0f} s")
 
 
-def test_killed_during_checkpoint_upload(cli: Cli, tiny_model_dir: Path, tmp_path: Path, reference: dict) -> None:
+def test_killed_during_checkpoint_upload(warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path,
+                                        reference: dict) -> None:
     start = time.monotonic()
-    proc = cli("train", *args(tiny_model_dir, str(tmp_path), "ckpt-kill", "debug.kill_during_checkpoint=true",
+    proc = warm_cli("train", *args(tiny_model_dir, str(tmp_path), "ckpt-kill", "debug.kill_during_checkpoint=true",
                               "debug.kill_iteration=2"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (tmp_path / "ckpt-kill" / "debug" / "killed_checkpoint_000002").exists()  # the kill happened
@@ -182,7 +185,7 @@ def test_killed_during_checkpoint_upload(cli: Cli, tiny_model_dir: Path, tmp_pat
     print(f"checkpoint-upload kill: {time.monotonic() - start:.0f} s")
 
 
-def test_corrupted_committed_shard_falls_back(cli: Cli, tiny_model_dir: Path, tmp_path: Path,
+def test_corrupted_committed_shard_falls_back(cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path,
                                               reference: dict) -> None:
     start = time.monotonic()
     first = cli("train", *args(tiny_model_dir, str(tmp_path), "corrupt", "debug.kill_flow_after=generate_rollouts",
@@ -193,7 +196,7 @@ def test_corrupted_committed_shard_falls_back(cli: Cli, tiny_model_dir: Path, tm
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    resumed = cli("train", "--resume", "corrupt", f"storage.root={tmp_path}")
+    resumed = warm_cli("train", "--resume", "corrupt", f"storage.root={tmp_path}")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     logs = resumed.stdout + resumed.stderr
     assert shard.name in logs  # the warning names the bad file
@@ -280,14 +283,14 @@ def adapters(root: Path, run_id: str) -> dict:
     return load_file(root / run_id / "export" / f"step_{ITERATIONS:06d}" / "adapter_model.safetensors")
 
 
-def test_lora_rank_killed_then_flow_killed_and_resumed_on_a_new_engine(cli: Cli, tiny_model_dir: Path,
-                                                                      tmp_path: Path) -> None:
+def test_lora_rank_killed_then_flow_killed_and_resumed_on_a_new_engine(cli: Cli, warm_cli: WarmCli,
+                                                                      tiny_model_dir: Path, tmp_path: Path) -> None:
     """LoRA: a rank dies mid-update of iteration 2 (the engine restarts, restores the adapter-only
     checkpoint of step 1 and replays), then the flow process is killed after that update, and the engine
     with it (a lost machine); `--resume` starts a new engine, restores step 1's adapters again and
     replays. The adapters end bit-identical to an uninterrupted LoRA run's, on the same prompts."""
     ref_root = tmp_path / "reference"
-    proc = cli("train", *args(tiny_model_dir, str(ref_root), "lora-reference", *LORA))
+    proc = warm_cli("train", *args(tiny_model_dir, str(ref_root), "lora-reference", *LORA))
     assert proc.returncode == 0, proc.stderr[-4000:]
     reference = {"weights": adapters(ref_root, "lora-reference"), "record": sampler_record(ref_root, "lora-reference")}
     first = cli("train", *args(tiny_model_dir, str(tmp_path), "lora-kill", *LORA, "debug.kill_rank_mid_update=1",
@@ -297,7 +300,7 @@ def test_lora_rank_killed_then_flow_killed_and_resumed_on_a_new_engine(cli: Cli,
     assert "iteration 2: the engine failed" in logs and "restored checkpoint step 1" in logs, logs[-3000:]
     stopped = cli("engine", "stop", "lora-kill")
     assert stopped.returncode == 0, stopped.stderr[-2000:]
-    resumed = cli("train", "--resume", "lora-kill", f"storage.root={tmp_path}")
+    resumed = warm_cli("train", "--resume", "lora-kill", f"storage.root={tmp_path}")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "restored checkpoint step 1" in resumed.stdout + resumed.stderr
     got = adapters(tmp_path, "lora-kill")

@@ -25,7 +25,7 @@ from engine.builtin_tools import calculator
 from engine.tools import parse_tool_call
 from tests.ops.test_async import assert_equal_weights, metrics_done
 from tests.ops.test_faults import buffers
-from tests.services import Cli
+from tests.services import Cli, WarmCli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 # Given to the first resume (faults are not part of the config hash: the run keeps its engine and stages).
@@ -64,9 +64,9 @@ def weights(root: Path, run_id: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(cli: Cli, calc_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def reference(warm_cli: WarmCli, calc_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("multi-turn-reference")
-    proc = cli("train", *args(calc_model_dir, root, "mt-ref"))
+    proc = warm_cli("train", *args(calc_model_dir, root, "mt-ref"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {"root": root, "weights": weights(root, "mt-ref")}
 
@@ -109,7 +109,7 @@ def test_turns_observations_and_masks(reference: dict, calc_model_dir: Path) -> 
 
 
 def test_failed_then_killed_multi_turn_run_resumes_like_the_uninterrupted_one(
-        cli: Cli, calc_model_dir: Path, tmp_path: Path, reference: dict) -> None:
+        cli: Cli, warm_cli: WarmCli, calc_model_dir: Path, tmp_path: Path, reference: dict) -> None:
     """compute_advantages of iteration 2 fails past its retries (iteration 1 committed); run again, the
     multi-turn rollout of iteration 2 is reused and the flow process is killed after its update, engine
     too; the second resume restores step 1 on a new engine and ends with the uninterrupted run's weights.
@@ -127,7 +127,7 @@ def test_failed_then_killed_multi_turn_run_resumes_like_the_uninterrupted_one(
     assert metrics_done(tmp_path, "mt-fail") == [1]
     after_kill = buffers(tmp_path, "mt-fail")
     assert all(after_kill[k] == v for k, v in before.items())  # the failed iteration's rollout was reused
-    again = cli("train", "--resume", "mt-fail", f"storage.root={tmp_path}")
+    again = warm_cli("train", "--resume", "mt-fail", f"storage.root={tmp_path}")  # a process new to the run
     assert again.returncode == 0, again.stderr[-4000:]
     assert "restored checkpoint step 1" in again.stdout + again.stderr
     after = buffers(tmp_path, "mt-fail")
@@ -135,9 +135,9 @@ def test_failed_then_killed_multi_turn_run_resumes_like_the_uninterrupted_one(
     assert_equal_weights(weights(tmp_path, "mt-fail"), reference["weights"])
 
 
-def test_a_broken_tool_gives_error_observations(cli: Cli, calc_model_dir: Path, tmp_path: Path) -> None:
+def test_a_broken_tool_gives_error_observations(warm_cli: WarmCli, calc_model_dir: Path, tmp_path: Path) -> None:
     """The tool named calculator raises on every call: the run completes, every call got an error."""
-    proc = cli("train", *args(calc_model_dir, tmp_path, "mt-broken", "trainer.total_iterations=1",
+    proc = warm_cli("train", *args(calc_model_dir, tmp_path, "mt-broken", "trainer.total_iterations=1",
                               f"rollout.multi_turn.tools={TOOLS}:broken_calculator"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     rollout = buffer(tmp_path, "mt-broken", 1, "rollout")

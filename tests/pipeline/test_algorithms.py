@@ -17,7 +17,7 @@ from engine.algos import masked_mean, masked_whiten
 from engine.batch import Batch
 from flows.algorithms import stages_for
 from flows.config import load_config
-from tests.services import Cli
+from tests.services import Cli, WarmCli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 HERE = Path(__file__).resolve().parent
@@ -50,7 +50,7 @@ class Run:
         return load_file(self.root / self.run_id / "export" / f"step_{self.iterations:06d}" / "model.safetensors")
 
 
-def train(cli: Cli, root: Path, run_id: str, model: Path, *extra: str, iterations: int = ITERATIONS,
+def train(cli: Cli | WarmCli, root: Path, run_id: str, model: Path, *extra: str, iterations: int = ITERATIONS,
           env: dict[str, str] | None = None) -> Run:
     args = overrides(model, root, run_id, *extra)
     if iterations != ITERATIONS:
@@ -88,8 +88,8 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def adaptive_kl_remax(cli: Cli, tiny_model_dir: Path, root: Path) -> Run:
-    return train(cli, root, "remax-kl", tiny_model_dir, *REMAX_KL)
+def adaptive_kl_remax(warm_cli: WarmCli, tiny_model_dir: Path, root: Path) -> Run:
+    return train(warm_cli, root, "remax-kl", tiny_model_dir, *REMAX_KL)
 
 
 REMAX_KL = ("algorithm.adv_estimator=remax", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl=adaptive",
@@ -100,7 +100,8 @@ REMAX_KL = ("algorithm.adv_estimator=remax", "algorithm.use_kl_in_reward=true", 
 def every_path(cli: Cli, tiny_model_dir: Path, root: Path) -> tuple[Run, Path]:
     """One run that takes every path of the config, recording the config fields each process reads:
     PPO with a critic, KL in the reward with the adaptive controller and as a loss, an entropy bonus,
-    GSPO with two PPO epochs, validation, a user stage. (run, the folder of the recorded reads)"""
+    GSPO with two PPO epochs, validation, a user stage. (run, the folder of the recorded reads)
+    Its own process (`cli`): RLFLOW_CONFIG_READS is read when engine.config is imported."""
     reads = root / "every-path-reads"
     reads.mkdir()
     run = train(cli, root, "every-path", tiny_model_dir, "critic.enable=true", "algorithm.adv_estimator=gae",
@@ -171,13 +172,14 @@ def test_adaptive_kl_in_the_reward_and_remax_baseline(adaptive_kl_remax: Run) ->
                                                           "baseline_response_text"}
 
 
-def test_adaptive_kl_killed_and_resumed_has_the_same_kl_coef_series(cli: Cli, tiny_model_dir: Path, root: Path,
+def test_adaptive_kl_killed_and_resumed_has_the_same_kl_coef_series(cli: Cli, warm_cli: WarmCli,
+                                                                     tiny_model_dir: Path, root: Path,
                                                                      adaptive_kl_remax: Run) -> None:
     args = overrides(tiny_model_dir, root, "remax-kl-killed", *REMAX_KL,
                      "debug.kill_flow_after=compute_advantages", "debug.kill_iteration=2")
     first = cli("train", *args)
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
-    resumed = cli("train", "--resume", "remax-kl-killed", f"storage.root={root}")
+    resumed = warm_cli("train", "--resume", "remax-kl-killed", f"storage.root={root}")  # not the killed process
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     run = Run(root, "remax-kl-killed", args)
     assert run.series("actor/kl_coef") == adaptive_kl_remax.series("actor/kl_coef")  # to the bit
@@ -185,9 +187,9 @@ def test_adaptive_kl_killed_and_resumed_has_the_same_kl_coef_series(cli: Cli, ti
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_rloo(cli: Cli, tiny_model_dir: Path, root: Path) -> None:
+def test_rloo(warm_cli: WarmCli, tiny_model_dir: Path, root: Path) -> None:
     """adv = r_i - the mean of the other responses of its prompt."""
-    run = train(cli, root, "rloo", tiny_model_dir, "algorithm.adv_estimator=rloo")
+    run = train(warm_cli, root, "rloo", tiny_model_dir, "algorithm.adv_estimator=rloo")
     for i in range(1, ITERATIONS + 1):
         adv, score = run.buffer(i, "advantage"), run.buffer(i, "reward")["score"]
         per_group = score.view(PROMPTS, N)
@@ -195,9 +197,9 @@ def test_rloo(cli: Cli, tiny_model_dir: Path, root: Path) -> None:
         close(adv["adv"], (per_group - others).flatten().unsqueeze(1).expand_as(adv["adv"]), adv["response_mask"])
 
 
-def test_reinforce_plus_plus(cli: Cli, tiny_model_dir: Path, root: Path) -> None:
+def test_reinforce_plus_plus(warm_cli: WarmCli, tiny_model_dir: Path, root: Path) -> None:
     """REINFORCE++: the reward-to-go (gamma 1: the outcome score at every token), whitened over the batch."""
-    run = train(cli, root, "rpp", tiny_model_dir, "algorithm.adv_estimator=reinforce_plus_plus")
+    run = train(warm_cli, root, "rpp", tiny_model_dir, "algorithm.adv_estimator=reinforce_plus_plus")
     for i in range(1, ITERATIONS + 1):
         adv, score = run.buffer(i, "advantage"), run.buffer(i, "reward")["score"]
         mask = adv["response_mask"]
@@ -206,10 +208,10 @@ def test_reinforce_plus_plus(cli: Cli, tiny_model_dir: Path, root: Path) -> None
         assert abs(float(masked_mean(adv["adv"], mask))) < 1e-5
 
 
-def test_dr_grpo_with_a_user_stage_as_second_reward(cli: Cli, tiny_model_dir: Path, root: Path) -> None:
+def test_dr_grpo_with_a_user_stage_as_second_reward(warm_cli: WarmCli, tiny_model_dir: Path, root: Path) -> None:
     """Dr. GRPO: adv = r - the group mean (no std), Dr. GRPO's loss normalizer; the reward r is the rule
     score plus 0.5 x the `brevity` stage declared in tests/pipeline/stages.py (no edit of the flow)."""
-    run = train(cli, root, "dr-grpo", tiny_model_dir, "algorithm.adv_estimator=dr_grpo",
+    run = train(warm_cli, root, "dr-grpo", tiny_model_dir, "algorithm.adv_estimator=dr_grpo",
                 "actor.loss_agg_mode=seq-mean-token-sum-norm", f"algorithm.extra_stages={HERE / 'stages.py'}:brevity")
     for i in range(1, ITERATIONS + 1):
         adv, rule = run.buffer(i, "advantage"), run.buffer(i, "reward")["score"]

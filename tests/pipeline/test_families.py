@@ -4,9 +4,7 @@ iterations on 2 ranks through the pipeline, and its export loads with plain `tra
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+import re
 from pathlib import Path
 
 import pytest
@@ -17,25 +15,35 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from engine.batch import Batch
 from engine.families import FAMILIES, build_family
 from engine.synthetic import make_rows
-from tests.services import Cli
+from tests.services import WarmCli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 HERE = Path(__file__).resolve().parent
 
 
+def overrides(model: Path, root: Path, run_id: str) -> list[str]:
+    return [f"model.path={model}", f"storage.root={root}", f"trainer.run_id={run_id}", "data.task=sort",
+            "trainer.total_iterations=2", "trainer.save_every=2", "trainer.val_every=2", "trainer.world_size=2",
+            "data.train_size=64", "data.val_size=8", "data.train_batch_size=4", "rollout.n=4",
+            "rollout.max_new_tokens=16", "data.max_prompt_length=128", "actor.mini_batch_size=16",
+            "actor.micro_batch_size=16", "actor.lr=1e-3", "rollout.val_do_sample=false",
+            f"reward.function={HERE / 'rewards.py'}:digit_share"]  # varies in every group
+
+
 @pytest.fixture(scope="module")
-def runs(cli: Cli, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Every family's model built, then one process that trains them all (tests/pipeline/families_probe.py)."""
+def runs(warm_cli: WarmCli, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every family's model built, then trained one after another in the session's warm CLI process."""
     models = tmp_path_factory.mktemp("families")
     root = tmp_path_factory.mktemp("family-runs")
+    results = {}
     for name in FAMILIES:
         build_family(name, models / name, task="sort", seed=0)
-    out = root / "results.json"
-    proc = subprocess.run([sys.executable, str(HERE / "families_probe.py"), str(out), str(root),
-                           *(f"{name}={models / name}" for name in FAMILIES)],
-                          env=cli.env, capture_output=True, text=True, timeout=900, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return {"models": models, "root": root, "results": json.loads(out.read_text())}
+        proc = warm_cli("train", *overrides(models / name, root, f"family-{name}"))
+        assert proc.returncode == 0, f"{name}:\n{proc.stdout[-3000:]}{proc.stderr[-5000:]}"
+        done = re.search(r"finished iteration (\d+); storage \S+; export (\S+)", proc.stdout)
+        assert done, proc.stdout[-2000:]
+        results[name] = {"finished_iteration": int(done[1]), "export": done[2]}
+    return {"models": models, "root": root, "results": results}
 
 
 def buffer(runs: dict, family: str, iteration: int, name: str) -> Batch:

@@ -28,7 +28,7 @@ from engine.reward_model import (
 from tests.ops.test_faults import buffers
 from tests.pipeline.rewards import digit_share
 from tests.pipeline.test_algorithms import Run, overrides, train
-from tests.services import Cli
+from tests.services import Cli, WarmCli
 
 RM_STEPS = 60
 
@@ -93,8 +93,9 @@ def test_a_causal_lm_is_refused_as_a_reward_model(cli: Cli, tiny_model_dir: Path
 
 
 @pytest.fixture(scope="module")
-def pooled(cli: Cli, tiny_model_dir: Path, tiny_rm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return train(cli, tmp_path_factory.mktemp("rm-pool"), "rm-pool", tiny_model_dir, *rm_args(tiny_rm_dir))
+def pooled(warm_cli: WarmCli, tiny_model_dir: Path, tiny_rm_dir: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return train(warm_cli, tmp_path_factory.mktemp("rm-pool"), "rm-pool", tiny_model_dir, *rm_args(tiny_rm_dir))
 
 
 @pytest.mark.integration
@@ -105,16 +106,18 @@ def test_rewards_of_a_reward_model_pool(pooled: Run, tiny_rm_dir: Path) -> None:
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_rewards_of_a_colocated_reward_model(cli: Cli, tiny_model_dir: Path, tiny_rm_dir: Path, tmp_path: Path) -> None:
-    run = train(cli, tmp_path, "rm-colocated", tiny_model_dir, *rm_args(tiny_rm_dir, "reward.model.placement=colocated"),
+def test_rewards_of_a_colocated_reward_model(warm_cli: WarmCli, tiny_model_dir: Path, tiny_rm_dir: Path,
+                                             tmp_path: Path) -> None:
+    run = train(warm_cli, tmp_path, "rm-colocated", tiny_model_dir, *rm_args(tiny_rm_dir, "reward.model.placement=colocated"),
                 iterations=1)
     assert_scored_by_the_model(run, tiny_rm_dir)
 
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_reward_model_workers_restart_and_survive_their_controller(cli: Cli, tiny_model_dir: Path, tiny_rm_dir: Path,
-                                                                   tmp_path: Path, pooled: Run) -> None:
+def test_reward_model_workers_restart_and_survive_their_controller(cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path,
+                                                                   tiny_rm_dir: Path, tmp_path: Path,
+                                                                   pooled: Run) -> None:
     """A policy rank dies mid-update of iteration 2: the engine, reward model pool included, restarts and
     replays. Then the flow process is killed after that update; the engine lives on, and the resumed run
     attaches to it (both pools) and finishes with the uninterrupted run's weights."""
@@ -127,7 +130,7 @@ def test_reward_model_workers_restart_and_survive_their_controller(cli: Cli, tin
     listed = cli("engine", "list")
     assert "rm-kill" in listed.stdout and "reward_model" in listed.stdout, listed.stdout
     before = buffers(tmp_path, "rm-kill")
-    resumed = cli("train", "--resume", "rm-kill", f"storage.root={tmp_path}")
+    resumed = warm_cli("train", "--resume", "rm-kill", f"storage.root={tmp_path}")  # not the killed process
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "attached to the live engine of rm-kill" in resumed.stdout + resumed.stderr
     after = buffers(tmp_path, "rm-kill")

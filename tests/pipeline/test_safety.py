@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.pipeline.test_algorithms import HERE, train
-from tests.services import Cli
+from tests.services import WarmCli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 LIMIT, ITERATIONS = 0.5, 8
@@ -21,9 +21,9 @@ COST = (f"reward.cost_function={HERE / 'rewards.py'}:length_cost", f"algorithm.c
         "algorithm.lagrange_init=0", "algorithm.lagrange_lr=1.0")  # no pressure but what the multiplier learns
 
 
-def test_the_cost_falls_under_its_limit(cli: Cli, tiny_model_dir: Path, tmp_path: Path) -> None:
-    free = train(cli, tmp_path, "unconstrained", tiny_model_dir, iterations=ITERATIONS)
-    safe = train(cli, tmp_path, "safe", tiny_model_dir, *COST, iterations=ITERATIONS)
+def test_the_cost_falls_under_its_limit(warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path) -> None:
+    free = train(warm_cli, tmp_path, "unconstrained", tiny_model_dir, iterations=ITERATIONS)
+    safe = train(warm_cli, tmp_path, "safe", tiny_model_dir, *COST, iterations=ITERATIONS)
     cost = safe.series("safety/cost/mean")
     lam = safe.series("safety/lambda")
     free_length = [m / 8 for m in free.series("response_length/mean")]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.services import Cli
+from tests.services import Cli, WarmCli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REWARD = f"reward.function={Path(__file__).with_name('rewards.py')}:digit_share"
@@ -50,12 +50,12 @@ def test_grpo_three_iterations_on_s3(cli: Cli, tiny_model_dir: Path, s3_server) 
     assert "grpo-s3" not in listed.stdout  # the engine is stopped at the end of the run
 
 
-def test_ppo_with_lora_actor_and_critic_two_iterations(cli: Cli, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_ppo_with_lora_actor_and_critic_two_iterations(warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path) -> None:
     """PPO (full fine-tuning PPO runs in tests/pipeline/test_algorithms.py) with LoRA on both models: the
     critic's checkpoint holds its adapters and its value head, the actor's its adapters."""
     import torch.distributed.checkpoint as dcp
 
-    proc = cli("train", "configs/tiny_ppo.yaml",
+    proc = warm_cli("train", "configs/tiny_ppo.yaml",
                *common(tiny_model_dir, str(tmp_path), "ppo", "trainer.total_iterations=2", "trainer.val_every=0",
                        "actor.lora.rank=4", "critic.lora.rank=4"))
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -70,9 +70,10 @@ def test_ppo_with_lora_actor_and_critic_two_iterations(cli: Cli, tiny_model_dir:
     assert (tmp_path / "ppo" / "export" / "step_000002" / "adapter_model.safetensors").exists()
 
 
-def test_grpo_one_optimizer_step_skips_the_old_logprob_pass(cli: Cli, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_grpo_one_optimizer_step_skips_the_old_logprob_pass(warm_cli: WarmCli, tiny_model_dir: Path,
+                                                            tmp_path: Path) -> None:
     """8 prompts x 8 = 64 completions, mini-batch 64: no compute_old_logprobs stage, no old_logprob buffer."""
-    proc = cli("train", *common(tiny_model_dir, str(tmp_path), "onpolicy", "actor.mini_batch_size=64",
+    proc = warm_cli("train", *common(tiny_model_dir, str(tmp_path), "onpolicy", "actor.mini_batch_size=64",
                                 "trainer.total_iterations=2", "trainer.val_every=0"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     run = tmp_path / "onpolicy"
