@@ -11,8 +11,9 @@ written, verified while it is read, and nothing unpickled from storage.
   MANIFEST's path -> (size, sha256)), then DCP reads it from memory (or a local spool file when large).
   A mismatch raises CheckpointCorruptError naming the file; the caller falls back to an older step.
 - Whoever can write the bucket must not run code on the ranks: DCP's `.metadata` is a pickle, read
-  here with an unpickler that builds only DCP's metadata types, and DCP's byte items (and our extra
-  state) are read with `torch.load(weights_only=True)`.
+  here with an unpickler that builds only an explicit list of (module, name) pairs (DCP's metadata
+  types, torch.Size and dtypes, paths), and DCP's byte items (and our extra state) are read with
+  `torch.load(weights_only=True)`. `load_state` is the one DCP read of the project (a test checks).
 """
 
 from __future__ import annotations
@@ -102,6 +103,19 @@ def load(url: str, state: dict[str, Any], storage_options: dict[str, Any], rank:
     """DCP-load into `state` (in place; every rank calls it) and return this rank's extra state.
     `expected`: path (relative to `url`) -> (size, sha256) of every file, from the manifest: each file
     is verified as it is read; None reads unverified (a checkpoint not committed through the store)."""
+    load_state(url, state, storage_options, expected)
+    name = EXTRA.format(rank=rank)
+    with fsspec.open(f"{url.rstrip('/')}/{name}", "rb", **storage_options) as f:
+        data = f.read()
+    _verify(name, data, expected)
+    return torch.load(io.BytesIO(data), weights_only=True)  # type: ignore[no-any-return]
+
+
+def load_state(url: str, state: dict[str, Any], storage_options: dict[str, Any],
+               expected: dict[str, tuple[int, str]] | None = None) -> None:
+    """DCP-load into `state` (in place) and nothing else: the one way this project reads DCP files (the
+    metadata through the allow-listed unpickler, byte items with weights_only=True). In one process
+    when torch.distributed is not initialised (a base checkpoint made into a model folder)."""
     reader = _reader(url, storage_options)
     verifying = _VerifyingFileSystem(reader.fs, str(reader.path), expected,
                                      fsspec.core.url_to_fs(url, **storage_options)[0] if _remote(url) else None)
@@ -119,11 +133,6 @@ def load(url: str, state: dict[str, Any], storage_options: dict[str, Any], rank:
         if not isinstance(err, Exception):
             raise RuntimeError(f"loading the checkpoint at {url} failed: {err}") from None
         raise
-    name = EXTRA.format(rank=rank)
-    with fsspec.open(f"{url.rstrip('/')}/{name}", "rb", **storage_options) as f:
-        data = f.read()
-    _verify(name, data, expected)
-    return torch.load(io.BytesIO(data), weights_only=True)  # type: ignore[no-any-return]
 
 
 def _verify(rel: str, data: bytes, expected: dict[str, tuple[int, str]] | None) -> None:
@@ -191,14 +200,22 @@ class _SafeMetadata:
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    _MODULES = ("torch.distributed.checkpoint.metadata",)
-    _NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-              ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-              ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+    """Builds only the (module, name) pairs below, each an exact name: a dotted name (protocol 4 resolves
+    `os.system` as an attribute of an admitted module that imports os) is never admitted."""
+
+    _METADATA = "torch.distributed.checkpoint.metadata"
+    _NAMES = frozenset({
+        (_METADATA, "Metadata"), (_METADATA, "MetadataIndex"), (_METADATA, "StorageMeta"),
+        (_METADATA, "TensorProperties"), (_METADATA, "TensorStorageMetadata"),
+        (_METADATA, "BytesStorageMetadata"), (_METADATA, "ChunkStorageMetadata"),
+        (_METADATA, "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+        ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict"),
+    } | {("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)})
 
     def find_class(self, module: str, name: str) -> Any:
-        if module in self._MODULES or (module, name) in self._NAMES or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        if (module, name) in self._NAMES:
             return super().find_class(module, name)
         raise CheckpointCorruptError(f"DCP metadata refers to {module}.{name}, which is not a metadata type")
 

@@ -214,8 +214,7 @@ def base_model_dir(base: BaseCheckpoint, store: ObjectStore) -> Path:
 
 def _export_policy(base: BaseCheckpoint, store: ObjectStore, tmp: Path) -> None:
     """Verify and fetch the step, load its policy shards into the parent's model, save_pretrained."""
-    import torch.distributed.checkpoint as dcp
-
+    from engine.checkpoint_io import load_state
     from engine.models import load_model, load_tokenizer, resolve_model_path, resolve_tokenizer_path
 
     parent = build_config(RunStore(store, base.run_id).read_run_info()["config"])
@@ -231,7 +230,7 @@ def _export_policy(base: BaseCheckpoint, store: ObjectStore, tmp: Path) -> None:
         state = {"model": {k: v for k, v in model.state_dict().items() if k in trainable}}
     else:
         state = {"model": model.state_dict()}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(tmp / "ckpt" / "policy")))  # in place, one process
+    load_state(str(tmp / "ckpt" / "policy"), state, {})  # in place, one process; the safe reader
     model.load_state_dict(state["model"], strict=wrapped is None)
     if wrapped is not None:
         model = wrapped.merge_and_unload()

@@ -260,3 +260,81 @@ def test_pickles_in_a_checkpoint_run_nothing(store: ObjectStore, tmp_path, victi
     with pytest.raises(Exception, match="not a metadata type|Weights only load failed"):
         _read_policy(ckpts.step_url(1, "policy"), target, ckpts, _expected(ckpts.read_manifest(1)))
     assert not (tmp_path / "pwned").exists()
+
+
+def _through_an_admitted_module(command: str) -> bytes:
+    """A pickle that names os.system as an attribute of DCP's metadata module (which imports os), calls
+    it with `command`: protocol 4's STACK_GLOBAL resolves a dotted name attribute by attribute."""
+    def text(s: str) -> bytes:
+        return b"\x8c" + bytes([len(s)]) + s.encode()  # SHORT_BINUNICODE
+
+    return (b"\x80\x04" + text("torch.distributed.checkpoint.metadata") + text("os.system") + b"\x93"
+            + text(command) + b"\x85" + b"R" + b".")  # STACK_GLOBAL, TUPLE1, REDUCE, STOP
+
+
+def test_metadata_cannot_reach_code_through_an_admitted_module(store: ObjectStore, tmp_path) -> None:
+    """Whoever writes the bucket rewrites the manifest too: a .metadata that reaches os.system through the
+    metadata module is refused, and the command never runs."""
+    ckpts = CheckpointStore(store, "run1")
+    ckpts.begin(1)
+    written = _write_policy(ckpts, 1, _state(1))
+    crafted = _through_an_admitted_module(f"touch {tmp_path / 'pwned'}")
+    store.put_bytes("run1/checkpoints/step_000001/policy/.metadata", crafted)
+    written = [r if r["path"] != "policy/.metadata" else
+               {**r, "size": len(crafted), "sha256": hashlib.sha256(crafted).hexdigest()} for r in written]
+    ckpts.commit(1, written)
+    with pytest.raises(checkpoint_io.CheckpointCorruptError, match="os.system, which is not a metadata type"):
+        _read_policy(ckpts.step_url(1, "policy"), _zeros_like(_state(1)), ckpts, _expected(ckpts.read_manifest(1)))
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_a_base_checkpoint_is_read_with_the_safe_reader(tiny_model_dir: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scheduled lineage or a fresh run from a base checkpoint makes the base into a model folder
+    (flows/deploy.py): its .metadata goes through the same allow-listed unpickler as a restore."""
+    from flows.config import load_config
+    from flows.deploy import BaseCheckpoint, base_model_dir
+    from infra.runs import RunStore
+
+    monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path / "cache"))
+    store = ObjectStore(str(tmp_path / "runs"))
+    RunStore(store, "base").write_run_info(load_config(None, [f"model.path={tiny_model_dir}"]).public_dict())
+    ckpts = CheckpointStore(store, "base")
+    ckpts.begin(1)
+    written = _write_policy(ckpts, 1, _state(1))
+    crafted = _through_an_admitted_module(f"touch {tmp_path / 'pwned'}")
+    store.put_bytes("base/checkpoints/step_000001/policy/.metadata", crafted)
+    written = [r if r["path"] != "policy/.metadata" else
+               {**r, "size": len(crafted), "sha256": hashlib.sha256(crafted).hexdigest()} for r in written]
+    ckpts.commit(1, written)
+    with pytest.raises(checkpoint_io.CheckpointCorruptError, match="os.system, which is not a metadata type"):
+        base_model_dir(BaseCheckpoint("base", 1, ckpts.step_url(1)), store)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_every_checkpoint_read_goes_through_the_safe_reader() -> None:
+    """In the project's code (engine, flows, infra, tasks, bench): DCP readers, DCP loads, unpicklers and
+    pickle loads exist only in engine/checkpoint_io.py (its allow-listed reader and planner), and every
+    torch.load passes weights_only=True."""
+    import ast
+
+    repo = Path(__file__).resolve().parents[2]
+    readers = {"FileSystemReader", "FsspecReader", "Unpickler", "_MetadataUnpickler"}
+    found = []
+    for folder in ("engine", "flows", "infra", "tasks", "bench"):
+        for path in sorted((repo / folder).rglob("*.py")):
+            rel = str(path.relative_to(repo))
+            for node in ast.walk(ast.parse(path.read_text(), rel)):
+                if not isinstance(node, ast.Call):
+                    continue
+                name = ast.unparse(node.func)
+                last = name.rsplit(".", 1)[-1]
+                if name.endswith("torch.load"):
+                    weights_only = [k for k in node.keywords if k.arg == "weights_only"]
+                    if not (weights_only and isinstance(weights_only[0].value, ast.Constant)
+                            and weights_only[0].value.value is True):
+                        found.append(f"{rel}:{node.lineno} {name} without weights_only=True")
+                elif (last in readers or name in ("dcp.load", "pickle.load", "pickle.loads")
+                      or name.endswith("checkpoint.load")) and rel != "engine/checkpoint_io.py":
+                    found.append(f"{rel}:{node.lineno} {name}")
+    assert not found, found
