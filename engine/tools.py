@@ -98,12 +98,36 @@ def parse_tool_call(text: str, fmt: Format) -> ToolCall | str | None:
         call = json.loads(body)
     except json.JSONDecodeError as err:
         return f"the tool call is not JSON: {err.msg} at character {err.pos}"
+    except RecursionError:
+        return f"the tool call is nested deeper than {MAX_DEPTH} levels"
+    except ValueError as err:  # an integer past Python's digit limit
+        return f"the tool call is not JSON: {str(err).splitlines()[0][:120]}"
+    if _deeper_than(call, MAX_DEPTH):
+        return f"the tool call is nested deeper than {MAX_DEPTH} levels"
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return 'the tool call needs a "name" (a string)'
+    try:
+        json.dumps(call, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return "the tool call holds a \\u escape that is not a character (a lone surrogate)"
     arguments = call.get(key, {})
     if not isinstance(arguments, dict):
         return f'the tool call\'s "{key}" must be an object'
     return ToolCall(call["name"], arguments)
+
+
+MAX_DEPTH = 64  # nesting of a call's JSON: deeper is refused before anything walks it recursively
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
 
 
 def check_arguments(arguments: dict[str, Any], schema: dict[str, Any]) -> str | None:
@@ -164,7 +188,9 @@ def call_tools(calls: Sequence[tuple[str, ToolCall] | str], tools: dict[str, tup
         if problem is not None:
             out.append(f"error: {call.name}: {problem}")
             continue
-        code = f"REF = {ref!r}\nARGS = {json.dumps(call.arguments)}\n" + _CALL
+        # JSON text into the job as a string literal, decoded there: true, null and Infinity become the
+        # Python values JSON means (written as code, they were names the job did not know)
+        code = f"import json\nREF = {ref!r}\nARGS = json.loads({json.dumps(call.arguments)!r})\n" + _CALL
         where.append((len(out), call.name))
         jobs.append(SandboxJob(code=code, mode="exec", builtins=True))
         out.append(None)

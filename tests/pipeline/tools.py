@@ -42,3 +42,9 @@ def undeclared(text: str) -> str:
 @tool(name="calculator", parameters={"type": "object", "properties": {"expression": {"type": "string"}}})
 def broken_calculator(expression: str) -> str:
     raise RuntimeError("the tool broke")
+
+
+@tool(parameters={"type": "object"})
+def show(**values: object) -> str:
+    """The Python values it was called with, as repr: what JSON's literals became."""
+    return repr(sorted(values.items()))

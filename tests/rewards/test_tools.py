@@ -93,3 +93,55 @@ def test_the_tools_reach_a_chat_template_that_renders_them() -> None:
     assert prompt_text(tokenizer, messages) == "1+2="
     assert prompt_lengths(tokenizer, [messages], tools)[0] == len(prompt_text(tokenizer, messages, tools))
     assert encode_prompts(tokenizer, [messages], tools=tools).input_ids.shape[1] == prompt_lengths(tokenizer, [messages], tools)[0]
+
+
+ADVERSARIAL = [
+    "[" * 100_000,  # nesting past the recursion limit
+    '{"name": "echo", "arguments": {"text": ' + "[" * 50_000 + "]" * 50_000 + "}}",
+    '{"name": "echo", "arguments": {"n": ' + "9" * 4_301 + "}}",  # past int's digit limit
+    '{"name": "echo", "arguments": {"text": "\\ud800"}}',  # a lone surrogate escape
+    '{"name": "echo", "arguments": {"text": "\\u12"}}',  # a truncated escape
+    '{"name": "echo", "arguments": {"text": "abc',  # truncated
+    '{"name": "echo", "arguments": NaN}', '{"name": 1e999}', '{"name": "echo", "arguments": [true, null]}',
+    "\x00\xff\ufeff{", "<tool_call>", "<tool_call></tool_call>", "<tool_call>" * 1000 + "</tool_call>",
+]
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])
+def test_model_output_never_raises_in_the_parser(fmt: str) -> None:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    def wrapped(body: str) -> str:
+        return f"<tool_call>{body}</tool_call>" if fmt == "hermes" else body
+
+    for body in ADVERSARIAL:
+        assert isinstance(parse_tool_call(wrapped(body), fmt), (ToolCall, str, type(None))), body
+    json_text = st.recursive(
+        st.sampled_from(["true", "false", "null", "NaN", "Infinity", "-Infinity", "0", "-0.0", "1e999",
+                         "9" * 5000, '"\\ud800"', '"\\u00"', '""', '"a"']),
+        lambda inner: st.one_of(st.lists(inner).map(lambda xs: "[" + ",".join(xs) + "]"),
+                                st.dictionaries(st.sampled_from(['"name"', '"arguments"', '"parameters"', '"x"']),
+                                                inner).map(lambda d: "{" + ",".join(f"{k}:{v}" for k, v in d.items()) + "}")),
+        max_leaves=20)
+    alphabet = list('{}[]":,\\ u0123456789eE.+-tnfalsrNI<>/_') + ["\x00", "\ud7ff"]
+    noise = st.text(alphabet=st.sampled_from(alphabet), max_size=200)
+
+    @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(st.one_of(json_text, noise, st.text(max_size=200)), st.integers(0, 300))
+    def never_raises(body: str, cut: int) -> None:
+        for text in (wrapped(body), wrapped(body[:cut]), body):
+            assert isinstance(parse_tool_call(text, fmt), (ToolCall, str, type(None)))
+
+    never_raises()
+
+
+def test_json_literals_reach_the_tool_as_the_python_values_json_means() -> None:
+    tools = load_tools([f"{TOOLS}:show"])
+    text = ('<tool_call>{"name": "show", "arguments": {"a": true, "b": false, "c": null, "d": Infinity, '
+            '"e": -Infinity, "f": 1.5, "g": [1, {"h": null}]}}</tool_call>')
+    call = parse_tool_call(text, "hermes")
+    assert isinstance(call, ToolCall)
+    (got,) = call_tools([("0", call)], tools, SandboxLimits(timeout_s=10.0, memory_mb=512), max_chars=1000)
+    assert got == repr(sorted({"a": True, "b": False, "c": None, "d": float("inf"), "e": float("-inf"), "f": 1.5,
+                               "g": [1, {"h": None}]}.items()))
