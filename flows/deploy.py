@@ -122,7 +122,7 @@ def scheduled_train(config_path: str | None = None, overrides: list[str] | None 
     parent, model = None, []
     if base_checkpoint:
         base, store = resolve_base(base_checkpoint, cfg)
-        model_dir = base_model_dir(base, store)
+        model_dir = base_model_dir(base, store, cfg.model.trust_remote_code)
         parent = {"run_id": base.run_id, "step": base.step, "checkpoint": base.url, "model_path": str(model_dir)}
         model = [f"model.path={model_dir}"]
         logger.info("new run %s from checkpoint step %d of %s", run_id, base.step, base.run_id)
@@ -155,7 +155,7 @@ def _parent_model(parent: dict[str, Any] | None, cfg: RLConfig) -> list[str]:
     folder = Path(parent["model_path"])
     if not (folder / "config.json").is_file():  # another machine, or a cleared cache: make it again
         base, store = resolve_base(parent["checkpoint"], cfg)
-        folder = base_model_dir(base, store)
+        folder = base_model_dir(base, store, cfg.model.trust_remote_code)
     return [f"model.path={folder}"]
 
 
@@ -192,9 +192,10 @@ def resolve_base(text: str, cfg: RLConfig) -> tuple[BaseCheckpoint, ObjectStore]
     return BaseCheckpoint(run_id, step, ckpts.step_url(step)), store
 
 
-def base_model_dir(base: BaseCheckpoint, store: ObjectStore) -> Path:
+def base_model_dir(base: BaseCheckpoint, store: ObjectStore, trust_remote_code: bool = False) -> Path:
     """The policy weights of `base` as a Hugging Face model folder (made once, cached): the new run's
-    model, so its actor, rollout copy and reference all start there; its optimizer starts afresh."""
+    model, so its actor, rollout copy and reference all start there; its optimizer starts afresh.
+    `trust_remote_code`: the launching config's (never the base run's run.json)."""
     from engine.models import cache_dir
 
     digest = hashlib.sha256(base.url.encode()).hexdigest()[:10]
@@ -203,7 +204,7 @@ def base_model_dir(base: BaseCheckpoint, store: ObjectStore) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".making-") as tmp:
-        _export_policy(base, store, Path(tmp))
+        _export_policy(base, store, Path(tmp), trust_remote_code)
         try:
             os.replace(Path(tmp) / "hf", out)  # atomic: a folder with config.json is complete
         except OSError:
@@ -212,15 +213,19 @@ def base_model_dir(base: BaseCheckpoint, store: ObjectStore) -> Path:
     return out
 
 
-def _export_policy(base: BaseCheckpoint, store: ObjectStore, tmp: Path) -> None:
+def _export_policy(base: BaseCheckpoint, store: ObjectStore, tmp: Path, trust_remote_code: bool) -> None:
     """Verify and fetch the step, load its policy shards into the parent's model, save_pretrained."""
     from engine.checkpoint_io import load_state
     from engine.models import load_model, load_tokenizer, resolve_model_path, resolve_tokenizer_path
 
     parent = build_config(RunStore(store, base.run_id).read_run_info()["config"])
+    if parent.model.trust_remote_code != trust_remote_code:
+        raise ConfigError(f"base checkpoint {base.url}: its run's run.json has model.trust_remote_code="
+                          f"{parent.model.trust_remote_code!r} where your config gives {trust_remote_code!r}; what a "
+                          "run executes is never taken from storage: set model.trust_remote_code yourself")
     CheckpointStore(store, base.run_id).fetch(base.step, str(tmp / "ckpt"))  # verifies every file
     model = load_model(resolve_model_path(parent.model, parent.data.task), dtype=parent.model.dtype,
-                       trust_remote_code=parent.model.trust_remote_code)
+                       trust_remote_code=trust_remote_code)
     wrapped = None
     if parent.actor.lora.enabled:  # an adapter-only checkpoint: its adapters, merged into the parent's base
         from engine.lora import adapter_names, apply_lora
@@ -236,7 +241,7 @@ def _export_policy(base: BaseCheckpoint, store: ObjectStore, tmp: Path) -> None:
         model = wrapped.merge_and_unload()
     model.save_pretrained(tmp / "hf")
     load_tokenizer(resolve_tokenizer_path(parent.model, parent.data.task),
-                   trust_remote_code=parent.model.trust_remote_code).save_pretrained(tmp / "hf")
+                   trust_remote_code=trust_remote_code).save_pretrained(tmp / "hf")
 
 
 # -- deployments --------------------------------------------------------------------------------------

@@ -83,20 +83,38 @@ def new_run_id(cfg: RLConfig) -> str:
     return cfg.trainer.run_id or f"{cfg.trainer.project}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+# What a run executes, or where it writes its own files: always the launching user's config and command
+# line (or a deployment's parameters), never a stored record (whoever can write the bucket writes run.json).
+CODE_SETTINGS = ("reward.function", "reward.cost_function", "algorithm.extra_stages", "rollout.multi_turn.tools",
+                 "model.trust_remote_code", "reward.model.trust_remote_code", "trainer.log_dir", "trainer.loggers")
+
+
 def resume_config(store: ObjectStore, run_id: str, cfg: RLConfig | None, overrides: list[str]) -> RLConfig:
-    """The config of a resumed run: its run.json snapshot with `overrides`, or `cfg` if it keeps the model."""
+    """The config of a resumed run: its run.json snapshot with `overrides`, or `cfg` if it keeps the model.
+    The CODE_SETTINGS are the user's (CONFIG, the overrides, else the default config's): one that run.json
+    gives otherwise is refused before anything runs."""
+    from flows.config import _parse_override, _set_dotted
+
     runs = RunStore(store, check_run_id(run_id))
     if not runs.exists():
         raise ConfigError(f"--resume {run_id}: no run {run_id!r} under {store.url()}")
     saved = runs.read_run_info()["config"]
+    given = {_parse_override(item)[0] for item in overrides}
+    users = (cfg or load_config(None, [])).model_dump(mode="json")  # what the user gives where no override
     if cfg is None:
-        from flows.config import _parse_override, _set_dotted
-
         raw = json.loads(json.dumps(saved))  # a deep copy: the overrides must not edit `saved` itself
         for item in overrides:
             key, value = _parse_override(item)
             _set_dotted(raw, key, value)
         cfg = build_config(raw)
+    ours = cfg.model_dump(mode="json")
+    for key in CODE_SETTINGS:
+        mine = _dotted(ours if key in given else users, key)
+        stored = _dotted(saved, key)
+        if stored != mine:
+            raise ConfigError(f"--resume {run_id}: run.json has {key}={stored!r} where your config and command line "
+                              f"give {mine!r}; what a run executes is never taken from storage: give {key} "
+                              "yourself to resume with it")
     changed = [k for k in ("path", "tokenizer_path", "dtype", "tiny_seed") if saved["model"].get(k) !=
                cfg.model.model_dump(mode="json").get(k)]
     if changed:
@@ -104,6 +122,12 @@ def resume_config(store: ObjectStore, run_id: str, cfg: RLConfig | None, overrid
         raise ConfigError(f"--resume {run_id}: the config changes {key} from {saved['model'].get(changed[0])!r} "
                           f"to {getattr(cfg.model, changed[0])!r}; a run keeps its model (start a new run)")
     return cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"run_id": run_id})})
+
+
+def _dotted(tree: Any, key: str) -> Any:
+    for part in key.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
 
 
 def resolve_config(config_path: str | None, overrides: list[str], resume: str | None) -> tuple[RLConfig, str]:

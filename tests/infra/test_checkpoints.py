@@ -338,3 +338,19 @@ def test_every_checkpoint_read_goes_through_the_safe_reader() -> None:
                       or name.endswith("checkpoint.load")) and rel != "engine/checkpoint_io.py":
                     found.append(f"{rel}:{node.lineno} {name}")
     assert not found, found
+
+
+def test_a_base_run_json_does_not_choose_trust_remote_code(tiny_model_dir: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.errors import ConfigError
+    from flows.config import load_config
+    from flows.deploy import BaseCheckpoint, base_model_dir
+    from infra.runs import RunStore
+
+    monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path / "cache"))
+    store = ObjectStore(str(tmp_path / "runs"))
+    config = load_config(None, [f"model.path={tiny_model_dir}"]).public_dict()
+    config["model"]["trust_remote_code"] = True  # written by whoever can write the bucket
+    RunStore(store, "base").write_run_info(config)
+    with pytest.raises(ConfigError, match="run.json has model.trust_remote_code=True where your config gives False"):
+        base_model_dir(BaseCheckpoint("base", 1, store.url("base/checkpoints/step_000001")), store)

@@ -127,7 +127,7 @@ def test_failed_then_killed_async_run_resumes_like_the_uninterrupted_one(cli: Cl
     assert metrics_done(tmp_path, "async-fail") == [1, 2]
     before = buffers(tmp_path, "async-fail")
     assert any("iter_000004/rollout" in k for k in before)  # generated while iteration 3 ran
-    killed = cli("train", "--resume", "async-fail", f"storage.root={tmp_path}", *KILL_AFTER_UPDATE_3)
+    killed = cli("train", "--resume", "async-fail", f"storage.root={tmp_path}", REWARD, *KILL_AFTER_UPDATE_3)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert cli("engine", "stop", "async-fail").returncode == 0
     # killed by the resume, after iteration 3's update and before its commit
@@ -135,7 +135,7 @@ def test_failed_then_killed_async_run_resumes_like_the_uninterrupted_one(cli: Cl
     assert metrics_done(tmp_path, "async-fail") == [1, 2]
     after_kill = buffers(tmp_path, "async-fail")
     assert all(after_kill[k] == v for k, v in before.items())  # iteration 3's finished stages were reused
-    resumed = warm_cli("train", "--resume", "async-fail", f"storage.root={tmp_path}")  # a process new to the run
+    resumed = warm_cli("train", "--resume", "async-fail", f"storage.root={tmp_path}", REWARD)  # a process new to the run
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     logs = resumed.stdout + resumed.stderr
     assert "replaying the updates of iteration 2" in logs, logs[-3000:]

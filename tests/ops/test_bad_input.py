@@ -262,7 +262,9 @@ RESUME_REFUSED = {
     # id: (CONFIG or None, overrides, what the message must name)
     "changes-model": (None, ["model.path={tmp}/another-model"], "--resume kept: the config changes model.path"),
     "config-changes-model": ("configs/tiny_grpo.yaml", [], "--resume kept: the config changes model.path"),
-    "broken-reward": (None, ["reward.function={tmp}/my_reward.py:nan"], "returned nan"),
+    # a reward the run did not begin with: what runs on resume is the run's own code (see TAMPERED)
+    "other-reward": (None, ["reward.function={tmp}/my_reward.py:nan"],
+                     "--resume kept: run.json has reward.function=None where your config and command line give"),
 }
 
 
@@ -278,6 +280,39 @@ def test_resume_refused_leaves_the_run_intact(case: str, offline: Offline, exist
     error, _ = offline.train(*(o.format(tmp=tmp_path) for o in overrides), config=config, resume=run_id)
     assert named in error, error
     assert snapshot(folder) == before  # every file, its bytes and its mtime
+
+
+TAMPERED = {  # what whoever writes the bucket puts into run.json: code to run, files to write elsewhere
+    "reward.function": "{tmp}/evil.py:reward",
+    "model.trust_remote_code": True,
+    "trainer.log_dir": "{tmp}/elsewhere",
+}
+
+
+@pytest.mark.parametrize("key", list(TAMPERED))
+def test_a_tampered_run_json_chooses_no_code(key: str, offline: Offline, existing_run: tuple[str, Path],
+                                            tmp_path: Path) -> None:
+    """A stored value of a setting that names code (or where the run writes) is refused on resume,
+    naming the field and both values, before anything is imported or written."""
+    run_id, folder = existing_run
+    (tmp_path / "evil.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n"
+                                      "def reward(data_source, response, ground_truth, extra_info=None):\n"
+                                      "    return 1.0\n")
+    value = TAMPERED[key]
+    value = value.format(tmp=tmp_path) if isinstance(value, str) else value
+    info = json.loads((folder / "run.json").read_text())
+    section, field = key.rsplit(".", 1)
+    node = info["config"]
+    for part in section.split("."):
+        node = node[part]
+    original, node[field] = node[field], value
+    (folder / "run.json").write_text(json.dumps(info))
+    before = snapshot(folder)
+    error, _ = offline.train(resume=run_id)
+    assert f"--resume {run_id}: run.json has {key}={value!r} where your config and command line give " \
+           f"{original!r}" in error, error
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "elsewhere").exists()
+    assert snapshot(folder) == before
 
 
 def test_resume_with_other_base_weights_is_refused(offline: Offline, tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.ops.test_faults import ITERATIONS, args
+from tests.ops.test_faults import ITERATIONS, REWARD, args
 from tests.services import Cli, quiet_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -240,6 +240,6 @@ def test_no_capacity_in_time_fails_then_resume_goes_on(cluster: Cluster, tiny_mo
             "(trainer.capacity_timeout_s): 2 ranks of 1 CPU each (STRICT_SPREAD): 1 of 2 ranks placeable on the "
             "alive nodes; add nodes, then resume the run") in logs, logs[-4000:]
     cluster.join(tmp_path_factory.mktemp("back"))
-    resumed = cluster.cli("train", "--resume", "no-capacity", f"storage.root={root}")
+    resumed = cluster.cli("train", "--resume", "no-capacity", f"storage.root={root}", REWARD)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert_same_weights(s3_weights(s3_server, "cluster", "no-capacity"), reference)

@@ -156,7 +156,7 @@ def test_flow_process_killed_mid_iteration_then_resumed(cli: Cli, warm_cli: Warm
                                "debug.kill_iteration=2"))
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
     before = buffers(tmp_path, "flow-kill")
-    resumed = warm_cli("train", "--resume", "flow-kill", f"storage.root={tmp_path}")  # not the killed process
+    resumed = warm_cli("train", "--resume", "flow-kill", f"storage.root={tmp_path}", REWARD)  # not the killed process
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     after = buffers(tmp_path, "flow-kill")
     assert all(after[k] == v for k, v in before.items())  # every complete buffer kept, none rewritten
@@ -196,7 +196,7 @@ def test_corrupted_committed_shard_falls_back(cli: Cli, warm_cli: WarmCli, tiny_
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    resumed = warm_cli("train", "--resume", "corrupt", f"storage.root={tmp_path}")
+    resumed = warm_cli("train", "--resume", "corrupt", f"storage.root={tmp_path}", REWARD)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     logs = resumed.stdout + resumed.stderr
     assert shard.name in logs  # the warning names the bad file
@@ -300,7 +300,7 @@ def test_lora_rank_killed_then_flow_killed_and_resumed_on_a_new_engine(cli: Cli,
     assert "iteration 2: the engine failed" in logs and "restored checkpoint step 1" in logs, logs[-3000:]
     stopped = cli("engine", "stop", "lora-kill")
     assert stopped.returncode == 0, stopped.stderr[-2000:]
-    resumed = warm_cli("train", "--resume", "lora-kill", f"storage.root={tmp_path}")
+    resumed = warm_cli("train", "--resume", "lora-kill", f"storage.root={tmp_path}", REWARD)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "restored checkpoint step 1" in resumed.stdout + resumed.stderr
     got = adapters(tmp_path, "lora-kill")

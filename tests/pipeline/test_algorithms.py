@@ -179,7 +179,7 @@ def test_adaptive_kl_killed_and_resumed_has_the_same_kl_coef_series(cli: Cli, wa
                      "debug.kill_flow_after=compute_advantages", "debug.kill_iteration=2")
     first = cli("train", *args)
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
-    resumed = warm_cli("train", "--resume", "remax-kl-killed", f"storage.root={root}")  # not the killed process
+    resumed = warm_cli("train", "--resume", "remax-kl-killed", f"storage.root={root}", REWARD)  # not the killed process
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     run = Run(root, "remax-kl-killed", args)
     assert run.series("actor/kl_coef") == adaptive_kl_remax.series("actor/kl_coef")  # to the bit

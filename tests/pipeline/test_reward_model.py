@@ -27,7 +27,7 @@ from engine.reward_model import (
 )
 from tests.ops.test_faults import buffers
 from tests.pipeline.rewards import digit_share
-from tests.pipeline.test_algorithms import Run, overrides, train
+from tests.pipeline.test_algorithms import REWARD, Run, overrides, train
 from tests.services import Cli, WarmCli
 
 RM_STEPS = 60
@@ -130,7 +130,7 @@ def test_reward_model_workers_restart_and_survive_their_controller(cli: Cli, war
     listed = cli("engine", "list")
     assert "rm-kill" in listed.stdout and "reward_model" in listed.stdout, listed.stdout
     before = buffers(tmp_path, "rm-kill")
-    resumed = warm_cli("train", "--resume", "rm-kill", f"storage.root={tmp_path}")  # not the killed process
+    resumed = warm_cli("train", "--resume", "rm-kill", f"storage.root={tmp_path}", REWARD)  # not the killed process
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert "attached to the live engine of rm-kill" in resumed.stdout + resumed.stderr
     after = buffers(tmp_path, "rm-kill")
