@@ -425,9 +425,21 @@ def _config_error(err: ValidationError, raw: dict[str, Any]) -> ConfigError:
         return ConfigError(f"{cross.key}={cross.value!r} is not allowed: {cross.allowed}")
     loc = _field_path(first["loc"])
     key = ".".join(loc) if loc else "config"
-    value = _lookup(raw, loc)
+    shown = "<hidden>" if _is_secret(loc) else repr(_lookup(raw, loc))  # a secret is never echoed, whatever its type
     message = first["msg"].removeprefix("Value error, ")
-    return ConfigError(f"{key}={value!r} is not allowed: {message}")
+    return ConfigError(f"{key}={shown} is not allowed: {message}")
+
+
+def _is_secret(loc: list[str]) -> bool:
+    """Whether the field at `loc` holds a secret (a SecretStr)."""
+    model: Any = RLConfig
+    annotation: Any = None
+    for part in loc:
+        fields = getattr(model, "model_fields", {}) if isinstance(model, type) else {}
+        if part not in fields:
+            return False
+        annotation = model = fields[part].annotation
+    return "SecretStr" in str(annotation)
 
 
 def _field_path(loc: tuple[Any, ...]) -> list[str]:

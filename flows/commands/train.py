@@ -8,11 +8,13 @@ import os
 import sys
 from typing import Any
 
+from engine.errors import ConfigError
 from flows.commands.config import split_config_args
 
 # Overrides that carry credentials become environment variables: never flow-run parameters.
 _SECRET_OVERRIDES = {"storage.access_key_id": "AWS_ACCESS_KEY_ID",
                      "storage.secret_access_key": "AWS_SECRET_ACCESS_KEY"}
+_SECRET_ON_COMMAND_LINE = ("storage.secret_access_key",)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,10 +28,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def strip_secrets(overrides: list[str]) -> list[str]:
-    """Move credential overrides into this process's environment; return the rest."""
+    """Refuse a secret on the command line (any user of the machine reads /proc/<pid>/cmdline); move
+    the access key id into this process's environment; return the rest."""
     kept = []
     for item in overrides:
         key, _, value = item.partition("=")
+        if key.strip() in _SECRET_ON_COMMAND_LINE:
+            raise ConfigError(f"{key.strip()} on the command line: every user of this machine can read a command "
+                              f"line (/proc/<pid>/cmdline); set {_SECRET_OVERRIDES[key.strip()]} in the environment, "
+                              "or use an AWS credentials file (AWS_SHARED_CREDENTIALS_FILE, AWS_PROFILE)")
         if key.strip() in _SECRET_OVERRIDES:
             os.environ[_SECRET_OVERRIDES[key.strip()]] = value
         else:

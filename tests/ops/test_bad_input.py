@@ -220,13 +220,37 @@ def test_wrong_s3_credentials(offline: Offline, tmp_path: Path, s3_server: Any) 
     root = f"s3://{s3_server.bucket}/bad-credentials"
     error, _ = offline.train(f"data.train_files=[{data}]", f"storage.root={root}",
                              f"storage.endpoint_url={s3_server.endpoint_url}",
-                             f"storage.access_key_id={DEV_ACCESS_KEY_ID}", f"storage.secret_access_key={wrong}")
+                             f"storage.access_key_id={DEV_ACCESS_KEY_ID}", env={"AWS_SECRET_ACCESS_KEY": wrong})
     assert f"access denied to {root}/bad/run.json (403" in error, error  # a HEAD: no error code in the body
     assert "storage.secret_access_key" in error and wrong not in error, error
     import s3fs
 
     fs = s3fs.S3FileSystem(key=DEV_ACCESS_KEY_ID, secret=DEV_SECRET_ACCESS_KEY, endpoint_url=s3_server.endpoint_url)
     assert not fs.exists(f"{s3_server.bucket}/bad-credentials"), "an object was written with bad credentials"
+
+
+def test_a_secret_on_the_command_line_is_refused(offline: Offline) -> None:
+    secret = "s3cr3t-" + os.urandom(6).hex()
+    error, _ = offline.train(f"storage.secret_access_key={secret}")
+    assert error == ("rlflow: error: storage.secret_access_key on the command line: every user of this machine "
+                     "can read a command line (/proc/<pid>/cmdline); set AWS_SECRET_ACCESS_KEY in the environment, "
+                     "or use an AWS credentials file (AWS_SHARED_CREDENTIALS_FILE, AWS_PROFILE)"), error
+
+
+@pytest.mark.parametrize("value", ["1234567890", "[abc, 99887766]", "{k: 55443322}"])
+def test_a_secret_is_not_echoed_whatever_its_type(value: str, tmp_path: Path) -> None:
+    """A secret YAML does not read as a string (a number, a list, a mapping) fails validation: the
+    error names the setting and hides the value."""
+    from engine.errors import ConfigError
+    from flows.config import load_config
+
+    config = tmp_path / "config.yaml"
+    config.write_text(f"storage:\n  secret_access_key: {value}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(config, [])
+    assert str(err.value) == "storage.secret_access_key=<hidden> is not allowed: Input should be a valid string"
+    for digits in ("1234567890", "99887766", "55443322"):
+        assert digits not in str(err.value)
 
 
 # ---------------------------------------------------------------------------------------- resume

@@ -1,5 +1,5 @@
 """Credentials and exposure: a real two-iteration run on S3 whose secret key is planted (unique to this
-session, given only as `storage.secret_access_key=...` on the command line) and then looked for
+session, given only as AWS_SECRET_ACCESS_KEY in the CLI's environment) and then looked for
 everywhere rlflow, Prefect and Ray keep things: the CLI output, the Prefect API (flow-run parameters,
 states, task runs, artifacts, logs), Prefect's persisted results, run.json and every object of the run
 in storage, the metric loggers' files, and the stack's logs and database. And the local stack listens on
@@ -77,12 +77,13 @@ def trained(cli: Cli, tiny_model_dir: Path, planted_s3: PlantedS3, tmp_path_fact
             ) -> Trained:
     prefect_home = tmp_path_factory.mktemp("prefect-client")
     log_dir = tmp_path_factory.mktemp("logger-files")
-    env = {k: v for k, v in cli.env.items() if not k.startswith("AWS_")}  # the overrides are the only source
+    env = {k: v for k, v in cli.env.items() if not k.startswith("AWS_")}
+    env["AWS_SECRET_ACCESS_KEY"] = planted_s3.secret  # the only source of the secret (never a command line)
     env["PREFECT_HOME"] = str(prefect_home)
     proc = Cli(env)(
         "train", f"model.path={tiny_model_dir}", f"storage.root=s3://{planted_s3.bucket}/runs",
         f"storage.endpoint_url={planted_s3.endpoint_url}", f"storage.access_key_id={planted_s3.key_id}",
-        f"storage.secret_access_key={planted_s3.secret}", f"trainer.run_id={RUN_ID}", REWARD,
+        f"trainer.run_id={RUN_ID}", REWARD,
         "trainer.total_iterations=2", "trainer.save_every=1", "trainer.val_every=2", "data.train_size=64",
         "data.train_batch_size=8", "actor.mini_batch_size=32", "actor.micro_batch_size=32", "data.val_size=8", "rollout.max_new_tokens=8", "trainer.loggers=[tensorboard]", f"trainer.log_dir={log_dir}",
         "--log-level", "DEBUG",
