@@ -20,7 +20,8 @@ _READ: set[str] = set()
 class Section(BaseModel):
     """Base of every config section: unknown keys are refused, values are checked on assignment."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    # allow_inf_nan=False: `actor.lr=.inf` or a NaN timeout is refused here, not found out mid-run
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
 
     if _READS_DIR:
         def __getattribute__(self, name: str) -> Any:
@@ -405,7 +406,7 @@ class RewardConfig(Section):
     chunk_size: int = Field(512, gt=0, description="rows per scoring task: a batch of at most this many rows "
                             "is scored in the stage's own process, a larger one in parallel Ray tasks of this "
                             "many rows (lower it for slow rewards)")
-    sandbox_timeout_s: float = Field(5.0, gt=0, description="wall clock for rewards that run code")
+    sandbox_timeout_s: float = Field(5.0, gt=0, le=3600, description="wall clock for rewards that run code")
     sandbox_memory_mb: int = Field(256, gt=0, description="address-space cap for rewards that run code")
     overlong_buffer_len: int = Field(0, ge=0, description="DAPO's overlong reward shaping: a response longer than "
                                      "rollout.max_new_tokens minus this many tokens loses "

@@ -32,9 +32,13 @@ from engine.config import (
 from engine.errors import ConfigError
 from flows.loggers import LoggerName
 from infra.config import RayConfig, StorageConfig
+from infra.errors import InfraError
 from tasks.faults import FaultConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_grpo.yaml"
+
+
+MAX_ITERATIONS = 10**7  # a run longer than this is a typo, not a plan
 
 
 class TrainerConfig(Section):
@@ -42,7 +46,7 @@ class TrainerConfig(Section):
 
     project: str = "rlflow"
     run_id: str | None = Field(None, description="default: <project>-<timestamp>")
-    total_iterations: int = Field(20, gt=0)
+    total_iterations: int = Field(20, gt=0, le=MAX_ITERATIONS)
     iterations_per_run: int | None = Field(None, gt=0, description="a scheduled run does this many")
     save_every: int = Field(10, gt=0)
     val_every: int = Field(5, ge=0, description="0: no validation")
@@ -78,6 +82,18 @@ class TrainerConfig(Section):
         description="local folder of the loggers' files, one subfolder per run; default: "
         "<storage.root>/<run_id>/logs, or ./runs/<run_id>/logs when storage is S3",
     )
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, value: str | None) -> str | None:
+        from infra.layout import check_run_id
+
+        if value is not None:
+            try:
+                check_run_id(value)
+            except InfraError as err:
+                raise ValueError(str(err)) from None
+        return value
 
     @field_validator("stage_timeouts")
     @classmethod
@@ -348,7 +364,10 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text: byte 0x{err.object[err.start]:02x} "
+                          f"at position {err.start}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
     if not isinstance(data, dict):

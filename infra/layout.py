@@ -24,7 +24,7 @@ _BUFFER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 
 def check_run_id(run_id: str) -> str:
-    if not _RUN_ID.match(run_id):
+    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):  # fullmatch: `$` lets a final newline through
         raise StoreError(f"run id {run_id!r} must be 1-128 letters, digits, '.', '_' or '-' "
                          "and start with a letter or digit")
     return run_id

@@ -272,3 +272,34 @@ def test_multi_turn_and_reward_model_settings_outside_their_mode_are_refused(ove
                ["reward.model.path=/x", "reward.rule_weight=0"]):
         cfg = load_config(None, ok)
         assert build_config(json.loads(json.dumps(cfg.public_dict()))).config_hash() == cfg.config_hash()
+
+
+ABSURD = {  # accepted on main, found out mid-run or never: refused at load, one line naming the setting
+    "actor.lr=.inf": "actor.lr=inf is not allowed: Input should be a finite number",
+    "trainer.stage_timeouts={update_policy: .nan}": "trainer.stage_timeouts={'update_policy': nan} is not allowed: "
+                                                    "Input should be a finite number",
+    "trainer.total_iterations=" + "9" * 27: "trainer.total_iterations=" + "9" * 27 + " is not allowed: Input should "
+                                            "be less than or equal to 10000000",
+    "reward.sandbox_timeout_s=1.0e300": "reward.sandbox_timeout_s='1.0e300' is not allowed: Input should be less "
+                                        "than or equal to 3600",
+    "trainer.run_id=../../etc": "trainer.run_id='../../etc' is not allowed: run id '../../etc' must be",
+    "trainer.run_id=": "trainer.run_id='' is not allowed: run id '' must be",
+    "trainer.run_id=abc\u202edef": "trainer.run_id='abc\\u202edef' is not allowed",  # right-to-left override
+    "trainer.run_id=run\x07": "trainer.run_id='run\\x07' is not allowed",  # a control character
+    "trainer.run_id=run\n": "trainer.run_id='run\\n' is not allowed",  # `$` matched before a final newline
+}
+
+
+@pytest.mark.parametrize("override", list(ABSURD))
+def test_absurd_values_are_refused_at_load(override: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert str(err.value).startswith(ABSURD[override]), str(err.value)
+    assert len(str(err.value).splitlines()) == 1
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("trainer:\n  project: café\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text: byte 0xe9 at position 23$"):
+        load_config(path, [])
