@@ -371,6 +371,10 @@ def make_synthetic_files(
     if n <= 0 or val_n <= 0:
         raise DataError(f"row counts must be positive, got n={n}, val_n={val_n}")
     out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file where a folder must be, no permission
+        raise DataError(f"cannot make the output folder {str(out)!r}: {err.strerror}") from None
     train = write_rows_parquet(synthetic.make_rows(task, n, seed, "train"), out / train_name)
     val = write_rows_parquet(synthetic.make_rows(task, val_n, seed, "val"), out / val_name)
     return train, val

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from flows.config import load_config
+from infra.errors import StoreError
 from infra.runs import RunStore, RunSummary, list_runs
 from infra.store import ObjectStore
 
@@ -27,7 +29,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _store(args: argparse.Namespace) -> ObjectStore:
     cfg = load_config(args.config)
-    return ObjectStore.from_config(cfg.storage, root=args.root)
+    store = ObjectStore.from_config(cfg.storage, root=args.root)
+    if store.protocol == "file" and not Path(store.root).is_dir():  # a typo must not read as "no runs"
+        raise StoreError(f"storage root {store.root!r} is not a folder")
+    return store
 
 
 def human_bytes(n: int) -> str:

@@ -36,3 +36,10 @@ def test_data_make_unknown_task_is_one_error_line(tmp_path: Path, capsys: pytest
     assert err == "rlflow: error: unknown synthetic task 'chess'; allowed: arith, sort, countdown, calc\n"
     assert main(["data", "make", "arith", str(tmp_path), "--n", "0"]) == 2
     assert "row counts must be positive" in capsys.readouterr().err
+
+
+def test_data_make_into_a_file_is_one_error_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "a_file").write_text("x")
+    assert main(["data", "make", "arith", str(tmp_path / "a_file" / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"rlflow: error: cannot make the output folder '{tmp_path / 'a_file' / 'sub'}': Not a directory\n"

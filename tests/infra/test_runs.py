@@ -142,3 +142,10 @@ def test_cli_registers_infra_s3() -> None:
 
     args = build_parser().parse_args(["infra", "s3", "--port", "0", "--bucket", "b"])
     assert (args.port, args.bucket) == (0, "b") and callable(args.func)
+
+
+def test_cli_runs_list_of_a_missing_root_is_an_error(tmp_path, capsys) -> None:
+    from flows.cli import main
+
+    assert main(["runs", "list", "--root", str(tmp_path / "nonexistent")]) == 2
+    assert capsys.readouterr().err == f"rlflow: error: storage root '{tmp_path / 'nonexistent'}' is not a folder\n"
