@@ -7,7 +7,10 @@ checks that span sections.
 
 from __future__ import annotations
 
+import ast
 import os
+import sys
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -100,7 +103,7 @@ class MultiTurnConfig(Section):
     @field_validator("tools")
     @classmethod
     def _absolute_tools(cls, value: list[str]) -> list[str]:
-        return [absolute_file_spec(v) for v in value]
+        return [checked_reference(v) for v in value]
 
 
 class RolloutConfig(Section):
@@ -351,7 +354,7 @@ class AlgorithmConfig(Section):
     @field_validator("extra_stages")
     @classmethod
     def _absolute_stages(cls, value: list[str]) -> list[str]:
-        return [absolute_file_spec(v) for v in value]
+        return [checked_reference(v) for v in value]
 
     @field_validator("adv_estimator")
     @classmethod
@@ -417,7 +420,7 @@ class RewardConfig(Section):
     @field_validator("function", "cost_function")
     @classmethod
     def _absolute_function(cls, value: str | None) -> str | None:
-        return absolute_file_spec(value) if value is not None else None
+        return checked_reference(value) if value is not None else None
 
 
 def comma_list(value: object) -> object:
@@ -425,6 +428,79 @@ def comma_list(value: object) -> object:
     if isinstance(value, str):
         return [part.strip() for part in value.split(",") if part.strip()]
     return value
+
+
+def checked_reference(spec: str) -> str:
+    """`absolute_file_spec(spec)`, checked without importing or running anything: the file (or the module,
+    found on sys.path as the import system would find it) exists and defines `name` at its top level (read
+    with ast). What it does is found out when it is imported, in the stage that runs it."""
+    spec = absolute_file_spec(spec)
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name.isidentifier():
+        raise ValueError(f"{spec!r} must be 'module:function' or 'path/to/file.py:function'")
+    if target.endswith(".py") or os.sep in target:
+        source: Path | None = Path(target)
+        if not source.is_file():  # type: ignore[union-attr]
+            raise ValueError(f"{target} is not a file")
+    else:
+        source = _module_source(target)
+    if source is None:  # a module that is not Python source (built in, compiled): its names are found at import
+        return spec
+    try:
+        tree = ast.parse(source.read_bytes(), str(source))
+    except (SyntaxError, ValueError) as err:
+        raise ValueError(f"{source} is not valid Python: {getattr(err, 'msg', err)}") from None
+    names = _top_level_names(tree.body)
+    if names is not None and name not in names:
+        raise ValueError(f"{source} defines no {name!r} at its top level")
+    return spec
+
+
+def _module_source(module: str) -> Path | None:
+    """The source file of `module`, found without importing it or its packages; None when it is not
+    Python source; ValueError when there is no such module."""
+    from importlib.machinery import PathFinder
+
+    parts = module.split(".")
+    if not all(p.isidentifier() for p in parts):
+        raise ValueError(f"{module!r} is not a module name")
+    if len(parts) == 1 and module in sys.builtin_module_names:
+        return None
+    locations: list[str] | None = None
+    spec = None
+    for part in parts:
+        spec = PathFinder.find_spec(part, locations)
+        if spec is None:
+            if module in sys.modules:  # imported already, under a name that is no file (os.path)
+                return None
+            raise ValueError(f"no module {module!r} on this Python's path")
+        locations = list(spec.submodule_search_locations or [])
+    origin = spec.origin if spec is not None else None
+    return Path(origin) if origin and origin.endswith(".py") else None
+
+
+def _top_level_names(body: list[ast.stmt]) -> set[str] | None:
+    """Names a module body binds (in if/try blocks too); None when `from x import *` makes it unknowable."""
+    names: set[str] = set()
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                if alias.name == "*":
+                    return None
+                names.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            for block in (node.body, getattr(node, "orelse", []), getattr(node, "finalbody", []),
+                          *[h.body for h in getattr(node, "handlers", [])]):
+                inner = _top_level_names(block)
+                if inner is None:
+                    return None
+                names |= inner
+    return names
 
 
 def absolute_file_spec(spec: str) -> str:

@@ -174,9 +174,13 @@ def test_file_paths_of_user_code_are_made_absolute(tmp_path: Path, monkeypatch: 
     """A relative 'file.py:name' is the user's working directory's; the stages run in Ray workers whose
     working directory is another, so the config holds it absolute (a module name stays as it is)."""
     monkeypatch.chdir(tmp_path)
-    cfg = load_config(None, ["reward.function=my/reward.py:score", "algorithm.extra_stages=a.py:f,pkg.mod:g"])
+    (tmp_path / "my").mkdir()
+    (tmp_path / "my" / "reward.py").write_text("def score(*args):\n    return 0.0\n")
+    (tmp_path / "a.py").write_text("def f(batch):\n    return {}\n")
+    cfg = load_config(None, ["reward.function=my/reward.py:score",
+                             "algorithm.extra_stages=a.py:f,engine.builtin_tools:calculator"])
     assert cfg.reward.function == f"{tmp_path}/my/reward.py:score"
-    assert cfg.algorithm.extra_stages == [f"{tmp_path}/a.py:f", "pkg.mod:g"]
+    assert cfg.algorithm.extra_stages == [f"{tmp_path}/a.py:f", "engine.builtin_tools:calculator"]
 
 
 @pytest.mark.parametrize(("override", "message"), [
@@ -240,10 +244,11 @@ def test_dynamic_sampling_outside_what_it_is_built_for_is_refused(overrides: lis
 @pytest.mark.parametrize(("overrides", "message"), [
     (["algorithm.cost_limit=0.5"], "algorithm.cost_limit=0.5 is not allowed: limits a cost, and there is none: set "
                                    "reward.cost_function"),
-    (["reward.cost_function=pkg.costs:length"], "reward.cost_function='pkg.costs:length' is not allowed: is used only "
-                                                "against a limit: set algorithm.cost_limit"),
+    (["reward.cost_function=engine.builtin_tools:calculator"], "reward.cost_function='engine.builtin_tools:calculator' "
+                                                                "is not allowed: is used only against a limit: set "
+                                                                "algorithm.cost_limit"),
     (["algorithm.lagrange_lr=0.5"], "algorithm.lagrange_lr=0.5 is not allowed: sets the Lagrange multiplier of safe RL"),
-    (["algorithm.cost_limit=0.5", "reward.cost_function=pkg.costs:length", "algorithm.lagrange_init=200"],
+    (["algorithm.cost_limit=0.5", "reward.cost_function=engine.builtin_tools:calculator", "algorithm.lagrange_init=200"],
      "algorithm.lagrange_init=200.0 is not allowed: must be at most algorithm.lagrange_max (100.0)"),
 ])
 def test_safe_rl_settings_without_a_cost_and_its_limit_are_refused(overrides: list[str], message: str) -> None:
@@ -303,3 +308,25 @@ def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
     path.write_bytes("trainer:\n  project: café\n".encode("latin-1"))
     with pytest.raises(ConfigError, match=r"is not UTF-8 text: byte 0xe9 at position 23$"):
         load_config(path, [])
+
+
+def test_code_references_are_checked_at_load_without_importing(tmp_path: Path) -> None:
+    """reward.function, reward.cost_function, algorithm.extra_stages and rollout.multi_turn.tools: the file
+    or module exists and defines the name, read without importing it (its import would run it)."""
+    module = tmp_path / "mine.py"
+    module.write_text(f"open({str(tmp_path / 'imported')!r}, 'w').close()\n\ndef score(*args):\n    return 1.0\n")
+    assert load_config(None, [f"reward.function={module}:score"]).reward.function == f"{module}:score"
+    refused = {
+        f"reward.function={module}:nope": f"{module} defines no 'nope' at its top level",
+        f"reward.function={tmp_path}/missing.py:f": f"{tmp_path}/missing.py is not a file",
+        "reward.function=no_such_module_xyz:f": "no module 'no_such_module_xyz' on this Python's path",
+        "reward.function=engine.builtin_tools:nope": "builtin_tools.py defines no 'nope' at its top level",
+        f"algorithm.extra_stages={module}:nope": "defines no 'nope'",
+        f"reward.cost_function={module}:nope": "defines no 'nope'",
+    }
+    for override, message in refused.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(None, [override])
+    with pytest.raises(ConfigError, match=re.escape("defines no 'nope'")):
+        load_config(None, ["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=engine.builtin_tools:nope"])
+    assert not (tmp_path / "imported").exists()

@@ -12,6 +12,7 @@ import ipaddress
 import os
 import socket
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -143,7 +144,17 @@ def test_wandb_offline_run_holds_the_history(tmp_path: Path, offline: list[Any])
     _log_run(["wandb"], tmp_path, run_id="run-1")
     runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*-run-1"))
     assert len(runs) == 1, "one offline run folder under <log_dir>/wandb"
-    rows = _wandb_history(Path(runs[0]) / "run-run-1.wandb")
+    # wandb's own service process writes the file: `finish()` can return before its last records are
+    # there (seen under load: the history came a moment later), so read until both rows are in, 30 s at most
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            rows = _wandb_history(Path(runs[0]) / "run-run-1.wandb")
+        except Exception:  # noqa: BLE001 - a record still being written
+            rows = []
+        if len(rows) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert [(row["_step"], row["critic/score/mean"]) for row in rows] == [("1", "0.25"), ("2", "0.5")]
     assert rows[1]["val/score/mean"] == "0.75"
 
