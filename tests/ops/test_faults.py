@@ -84,6 +84,21 @@ def assert_reused(root: Path, run_id: str, iteration: int) -> None:
     assert line["stages/reused"] >= 4, line["stages/reused"]  # rollout, reward, old_logprob, advantage
 
 
+@pytest.fixture(scope="module", autouse=True)
+def zombie(cli: Cli, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> float:
+    """A run whose flow process is SIGKILLed and that nothing resumes, started before the module's other
+    tests so that its heartbeat window (flows/liveness.WINDOW_S, 90 s) passes while they run; its engine
+    is stopped at once (it would hold the cluster's CPUs; the flow run's state is the claim). Returns when
+    the process died (time.monotonic)."""
+    proc = cli("train", *args(tiny_model_dir, str(tmp_path_factory.mktemp("zombie")), "zombie",
+                              "debug.kill_flow_after=generate_rollouts", "debug.kill_iteration=2"))
+    died = time.monotonic()
+    stopped = cli("engine", "stop", "zombie")
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    return died
+
+
 def test_engine_rank_killed_mid_update(warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path,
                                       reference: dict) -> None:
     start = time.monotonic()
@@ -116,31 +131,6 @@ def test_hung_rank_mid_update_is_restarted(warm_cli: WarmCli, tiny_model_dir: Pa
     assert_reused(tmp_path, "hung", 2)
     assert_like_uninterrupted(tmp_path, "hung", reference)
     print(f"hung rank: {time.monotonic() - start:.0f} s")
-
-
-def test_a_killed_controller_is_marked_crashed_by_its_missing_heartbeat(cli: Cli, tiny_model_dir: Path,
-                                                                        tmp_path: Path, prefect: Any) -> None:
-    """The flow process is SIGKILLed and nothing resumes it: Prefect's automation (flows/liveness.py)
-    sets its flow run Crashed once its heartbeat has been missing for WINDOW_S."""
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
-
-    from flows.liveness import AUTOMATION, WINDOW_S
-
-    try:
-        proc = cli("train", *args(tiny_model_dir, str(tmp_path), "zombie", "debug.kill_flow_after=generate_rollouts",
-                                  "debug.kill_iteration=2"))
-        assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-        assert prefect.read_automations_by_name(AUTOMATION)
-        deadline = time.monotonic() + WINDOW_S + 90
-        while True:
-            (run,) = prefect.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["zombie"])))
-            if run.state.is_final() or time.monotonic() > deadline:
-                break
-            time.sleep(2)
-        assert run.state.name == "Crashed" and f"no heartbeat for {WINDOW_S} s" in run.state.message, run.state
-    finally:  # nothing resumes the run: its detached engine would hold the cluster's CPUs for the next tests
-        stopped = cli("engine", "stop", "zombie")
-        assert stopped.returncode == 0, stopped.stderr[-2000:]
 
 
 def test_flow_process_killed_mid_iteration_then_resumed(cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path,
@@ -310,3 +300,20 @@ def test_lora_rank_killed_then_flow_killed_and_resumed_on_a_new_engine(cli: Cli,
     assert sampler_record(tmp_path, "lora-kill") == reference["record"]
     manifest = json.loads((tmp_path / "lora-kill" / "checkpoints" / "step_000003" / "MANIFEST.json").read_text())
     print(f"LoRA checkpoint: {sum(f['size'] for f in manifest['files'])} bytes")
+
+
+def test_a_killed_controller_is_marked_crashed_by_its_missing_heartbeat(zombie: float, prefect: Any) -> None:
+    """The flow process is SIGKILLed and nothing resumes it (the `zombie` fixture, started first): Prefect's
+    automation (flows/liveness.py) sets its flow run Crashed once its heartbeat has been missing for WINDOW_S."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    from flows.liveness import AUTOMATION, WINDOW_S
+
+    assert prefect.read_automations_by_name(AUTOMATION)
+    deadline = zombie + WINDOW_S + 90
+    while True:
+        (run,) = prefect.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["zombie"])))
+        if run.state.is_final() or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert run.state.name == "Crashed" and f"no heartbeat for {WINDOW_S} s" in run.state.message, run.state
