@@ -14,6 +14,7 @@ the updates c+1..i from the persisted advantage buffers — no regeneration.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
@@ -620,7 +621,9 @@ CREDENTIALS_PROFILE = "rlflow"
 
 def credentials_file(key_id: str, secret: str, token: str | None) -> Path:
     """An AWS shared-credentials file readable by this user only, in the stack's state folder; its
-    name is a hash, so the workers' environment (which Ray logs) holds no credential."""
+    name is a hash and this process's id, so the workers' environment (which Ray logs) holds no
+    credential. Removed when this process exits (its Ray job's workers end with it), and by `rlflow down`
+    (a process that was killed)."""
     from infra.stack import resolve_home
 
     folder = resolve_home() / "credentials"
@@ -629,14 +632,20 @@ def credentials_file(key_id: str, secret: str, token: str | None) -> Path:
     body = f"[{CREDENTIALS_PROFILE}]\naws_access_key_id = {key_id}\naws_secret_access_key = {secret}\n"
     if token:
         body += f"aws_session_token = {token}\n"
-    path = folder / (hashlib.sha256(body.encode()).hexdigest()[:16] + ".ini")
+    path = folder / f"{hashlib.sha256(body.encode()).hexdigest()[:16]}-{os.getpid()}.ini"
     if not path.exists():
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as handle:
             handle.write(body)
         os.replace(tmp, path)
+    if path not in _REMOVED_AT_EXIT:
+        _REMOVED_AT_EXIT.add(path)
+        atexit.register(path.unlink, missing_ok=True)
     return path
+
+
+_REMOVED_AT_EXIT: set[Path] = set()
 
 
 class _graceful_stop:

@@ -261,6 +261,9 @@ class LocalStack:
                     continue
                 lines.append(f"{name}: {self._stop(record)}")
                 self._record_path(name).unlink(missing_ok=True)
+            # the runs' credential files for their Ray workers (flows/train.credentials_file): the stack
+            # that ran them is gone, and a run's process removes its own when it ends
+            shutil.rmtree(self.home / "credentials", ignore_errors=True)
         return lines
 
     def _differences(self, name: ServiceName, record: ProcessRecord | None) -> str:

@@ -259,3 +259,25 @@ def test_up_flow_down(
     after = stack.status()
     assert (after.prefect.state, after.ray.state) == ("stopped", "stopped")
     assert stack.down() == ["prefect: not running", "ray: not running"]
+
+
+def test_a_credentials_file_lives_as_long_as_its_process(tmp_path: Path) -> None:
+    """flows/train.credentials_file: 0600 in a 0700 folder of the stack's state folder while the process
+    that wrote it runs; gone when it exits (and `rlflow down` removes the folder: a killed process)."""
+    code = ("import sys; from flows.train import credentials_file\n"
+            "p = credentials_file('AKIDEXAMPLE', 'planted-secret', None)\n"
+            "print(p, oct(p.stat().st_mode & 0o777), oct(p.parent.stat().st_mode & 0o777), flush=True)\n"
+            "print('planted-secret' in p.read_text())\n")
+    env = {**os.environ, "RLFLOW_HOME": str(tmp_path / "home"), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    path, mode, folder_mode, holds = out.split()
+    assert (mode, folder_mode, holds) == ("0o600", "0o700", "True")
+    assert Path(path).parent == tmp_path / "home" / "credentials" and not Path(path).exists()
+
+    from infra.config import StackConfig
+    from infra.stack import LocalStack
+
+    left = tmp_path / "home" / "credentials" / "killed-run.ini"  # what a SIGKILLed run leaves
+    left.write_text("[rlflow]\n")
+    LocalStack(StackConfig(home=str(tmp_path / "home"))).down()
+    assert not left.parent.exists()
