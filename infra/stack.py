@@ -48,6 +48,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -194,6 +195,25 @@ def ray_temp_dir(home: Path) -> Path:
     """Short and fixed per state folder: Ray's socket paths below it must fit in 107 bytes."""
     digest = hashlib.sha256(str(home).encode()).hexdigest()[:10]
     return Path("/tmp") / f"rlflow-ray-{digest}"
+
+
+def private_temp_dir(path: Path) -> Path:
+    """`path` made with mode 0700, or checked when it is there: a folder (not a link) of this user, no one
+    else's access (tightened when it is ours and open). Ray keeps its sockets, session and logs there,
+    under /tmp, where anyone can make the folder first."""
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise InfraError(f"Ray's temp folder {path} is not a folder (a link or a file): remove it, then start again")
+    if info.st_uid != os.getuid():
+        raise InfraError(f"Ray's temp folder {path} belongs to uid {info.st_uid}, not to you (uid {os.getuid()}): "
+                         "someone else made it first; remove it (it is never shared), then start again")
+    if info.st_mode & 0o077:
+        path.chmod(0o700)
+    return path
 
 
 def default_num_cpus() -> int:
@@ -348,14 +368,17 @@ class LocalStack:
             # The UI's own API address: `--port` does not reach it, and it would default to port 4200
             # (whatever server runs there) for a stack on another port.
             PREFECT_SERVER_UI_API_URL=prefect_api_url(port),
+            # A page in a local browser must not drive the API: state changes need a CSRF token (Prefect's
+            # clients and UI fetch one), and only the stack's own UI origin may read responses (the token's).
+            PREFECT_SERVER_CSRF_PROTECTION_ENABLED="true",
+            PREFECT_SERVER_CORS_ALLOWED_ORIGINS=f"http://{HOST}:{port}",
             DO_NOT_TRACK="1",
         )
         cmd = [_executable("prefect"), "server", "start", "--host", HOST, "--port", str(port)]
         return cmd, env
 
     def _ray_command(self, port: int) -> tuple[list[str], dict[str, str]]:
-        temp = ray_temp_dir(self.home)
-        temp.mkdir(parents=True, exist_ok=True)
+        temp = private_temp_dir(ray_temp_dir(self.home))
         auth = self.config.ray_auth
         env = _env_without(_RAY_DROP)
         env.update(RAY_AUTH_MODE=auth, RAY_USAGE_STATS_ENABLED="0", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
@@ -372,8 +395,7 @@ class LocalStack:
         return cmd, env
 
     def _node_command(self, address: str) -> tuple[list[str], dict[str, str]]:
-        temp = ray_temp_dir(self.home)
-        temp.mkdir(parents=True, exist_ok=True)
+        temp = private_temp_dir(ray_temp_dir(self.home))
         env = _env_without(_RAY_DROP)
         token = self.config.join_token_file or os.environ.get("RAY_AUTH_TOKEN_PATH")
         env.update(RAY_AUTH_MODE="token" if token else "disabled", RAY_USAGE_STATS_ENABLED="0", DO_NOT_TRACK="1",

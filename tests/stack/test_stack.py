@@ -281,3 +281,24 @@ def test_a_credentials_file_lives_as_long_as_its_process(tmp_path: Path) -> None
     left.write_text("[rlflow]\n")
     LocalStack(StackConfig(home=str(tmp_path / "home"))).down()
     assert not left.parent.exists()
+
+
+def test_rays_temp_folder_is_private(tmp_path: Path) -> None:
+    """Ray's sockets and logs live in /tmp/rlflow-ray-<hash>, which anyone can make first: made 0700,
+    tightened when ours and open, refused when it is another user's or a link."""
+    from infra.stack import private_temp_dir
+
+    made = private_temp_dir(tmp_path / "made")
+    assert made.stat().st_mode & 0o777 == 0o700
+    (tmp_path / "open").mkdir(mode=0o777)
+    (tmp_path / "open").chmod(0o777)
+    assert private_temp_dir(tmp_path / "open").stat().st_mode & 0o777 == 0o700
+    (tmp_path / "link").symlink_to(made)
+    with pytest.raises(InfraError, match="is not a folder"):
+        private_temp_dir(tmp_path / "link")
+    if os.getuid() != 0:
+        pytest.skip("making a folder another user owns needs root")
+    (tmp_path / "theirs").mkdir(mode=0o700)
+    os.chown(tmp_path / "theirs", 65534, 65534)
+    with pytest.raises(InfraError, match=r"belongs to uid 65534, not to you \(uid 0\): someone else made it first"):
+        private_temp_dir(tmp_path / "theirs")
