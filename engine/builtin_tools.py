@@ -13,7 +13,7 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, as
 
 @tool(description="evaluate an integer arithmetic expression (+ - * // %, parentheses)",
       parameters={"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"],
-                  "additionalProperties": False})
+                  "additionalProperties": False}, pure=True)
 def calculator(expression: str) -> str:
     """The value of `expression`, or what is wrong with it (the model reads either)."""
     try:

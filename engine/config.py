@@ -390,6 +390,16 @@ class RewardModelConfig(Section):
         return self.path is not None
 
 
+class SandboxConfig(Section):
+    """How code a model writes or calls (code rewards, tool calls) is confined (engine/rewards/sandbox.py)."""
+
+    isolation: Literal["bwrap", "none"] = Field(
+        "bwrap", description="bwrap: in Debian's bubblewrap (new user, PID and network namespaces, read-only root, "
+        "a private /tmp, nothing outlives a call); needs the bwrap program (apt-get install bubblewrap). none: "
+        "as this user, unconfined (a warning says so); where bwrap is missing, a tool not declared pure and a "
+        "code reward run only with none")
+
+
 class RewardConfig(Section):
     """Rule rewards (the registry on each row's data_source, or your own function) and a learned reward model."""
 
@@ -409,6 +419,8 @@ class RewardConfig(Section):
     chunk_size: int = Field(512, gt=0, description="rows per scoring task: a batch of at most this many rows "
                             "is scored in the stage's own process, a larger one in parallel Ray tasks of this "
                             "many rows (lower it for slow rewards)")
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="how code rewards and tool calls "
+                                   "are confined")
     sandbox_timeout_s: float = Field(5.0, gt=0, le=3600, description="wall clock for rewards that run code")
     sandbox_memory_mb: int = Field(256, gt=0, description="address-space cap for rewards that run code")
     overlong_buffer_len: int = Field(0, ge=0, description="DAPO's overlong reward shaping: a response longer than "

@@ -23,7 +23,7 @@ replayed rollout makes the same turns (given deterministic tools).
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -37,7 +37,7 @@ from engine.tools import CALL_END, ToolCall, ToolSpec, call_tools, observation_t
 
 def generate_multi_turn(rollout: Any, tokenizer: Any, tools: dict[str, tuple[str, ToolSpec]], prompts: Batch,
                         cfg: RolloutConfig, *, seed: int, iteration: int, rank: int, do_sample: bool, version: int,
-                        stage: str) -> Batch:
+                        stage: str, isolation: Literal["bwrap", "none"] = "bwrap") -> Batch:
     mt = cfg.multi_turn
     limit, pad = cfg.max_new_tokens, int(tokenizer.pad_token_id)
     rows = len(prompts)
@@ -83,7 +83,7 @@ def generate_multi_turn(rollout: Any, tokenizer: Any, tools: dict[str, tuple[str
                 pending.append((r, call))
                 still.append(r)
         if pending:
-            limits = SandboxLimits(timeout_s=mt.tool_timeout_s, memory_mb=mt.tool_memory_mb)
+            limits = SandboxLimits(timeout_s=mt.tool_timeout_s, memory_mb=mt.tool_memory_mb, isolation=isolation)
             entries: list[tuple[str, ToolCall] | str] = [c if isinstance(c, str) else (str(r), c) for r, c in pending]
             observations = call_tools(entries, tools, limits, mt.max_tool_response_chars)
             for (r, _), observation in zip(pending, observations):

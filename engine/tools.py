@@ -24,12 +24,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from engine.errors import ConfigError
 from engine.imports import load_object
-from engine.rewards.sandbox import SandboxJob, run_sandboxed
+from engine.rewards.sandbox import SandboxJob, bwrap_available, run_sandboxed
 from engine.rewards.types import SandboxLimits
 
 Format = Literal["hermes", "llama3_json"]
@@ -47,6 +47,7 @@ class ToolSpec:
     name: str
     description: str
     parameters: dict[str, Any]  # a JSON schema of an object
+    pure: bool = False  # computes from its arguments only (no files, processes, network): runs without bwrap
 
 
 @dataclass(frozen=True)
@@ -55,13 +56,16 @@ class ToolCall:
     arguments: dict[str, Any]
 
 
-def tool(*, parameters: dict[str, Any], description: str = "", name: str | None = None) -> Callable[[Any], Any]:
-    """Declare a function as a tool: its name, a description and the JSON schema of its arguments."""
+def tool(*, parameters: dict[str, Any], description: str = "", name: str | None = None,
+         pure: bool = False) -> Callable[[Any], Any]:
+    """Declare a function as a tool: its name, a description and the JSON schema of its arguments.
+    `pure`: it computes from its arguments only; where bubblewrap is missing, only a pure tool runs
+    (unless reward.sandbox.isolation=none)."""
     if parameters.get("type") != "object":
         raise ConfigError(f"a tool's parameters are the JSON schema of an object (type: object), got {parameters!r}")
 
     def wrap(fn: Any) -> Any:
-        fn.rlflow_tool = ToolSpec(name or fn.__name__, description or (fn.__doc__ or "").strip(), parameters)
+        fn.rlflow_tool = ToolSpec(name or fn.__name__, description or (fn.__doc__ or "").strip(), parameters, pure)
         return fn
     return wrap
 
@@ -175,6 +179,9 @@ def call_tools(calls: Sequence[tuple[str, ToolCall] | str], tools: dict[str, tup
     out: list[str | None] = []
     jobs: list[SandboxJob] = []
     where: list[tuple[int, str]] = []
+    runs_all = limits.isolation == "none" or bwrap_available()
+    if not runs_all:  # no bubblewrap here: only pure tools run, outside it
+        limits = replace(limits, isolation="none")
     for entry in calls:
         if isinstance(entry, str):
             out.append(f"error: {entry}")
@@ -187,6 +194,9 @@ def call_tools(calls: Sequence[tuple[str, ToolCall] | str], tools: dict[str, tup
         problem = check_arguments(call.arguments, spec.parameters)
         if problem is not None:
             out.append(f"error: {call.name}: {problem}")
+            continue
+        if not runs_all and not spec.pure:
+            out.append(f"error: {call.name} runs only in the sandbox, and bubblewrap (bwrap) is not installed")
             continue
         # JSON text into the job as a string literal, decoded there: true, null and Infinity become the
         # Python values JSON means (written as code, they were names the job did not know)

@@ -320,6 +320,7 @@ def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str
         model_path=model_path, tokenizer_path=tokenizer_path, dtype=cfg.model.dtype,
         trust_remote_code=cfg.model.trust_remote_code, rollout=cfg.rollout, actor=actor, ref=cfg.ref,
         use_ref=cfg.needs_ref, total_iterations=cfg.trainer.total_iterations, seed=cfg.trainer.seed,
+        sandbox_isolation=cfg.reward.sandbox.isolation,
     )
     rm_cfg = cfg.reward.model
     reward_model = None

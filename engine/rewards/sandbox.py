@@ -1,28 +1,35 @@
-"""Run generated code in a child process with a wall-clock timeout and a memory cap.
+"""Run code a model wrote (a code reward) or asked for (a tool call): confined, limited, one job at a time.
 
-One fresh `python -I` child runs a batch of jobs one after another and writes one JSON line per job,
-so a batch pays the interpreter start once. Each job gets `timeout_s` of wall clock from the moment the
-previous one finished; a job that runs over is killed with its whole process group, recorded as
-"timeout", and a new child takes the jobs after it, so a hang never loses the other jobs' results.
-Inside the child, `RLIMIT_AS` caps the address space at `memory_mb`: an allocation beyond it raises
-MemoryError in the job ("memory") instead of taking the machine down.
+One child per batch, started once: in Debian's bubblewrap (isolation "bwrap", the default) with new
+user, PID, network, IPC and UTS namespaces, the root file system read-only, a private /tmp, no
+capabilities and an empty environment; the child is the namespace's init, so when it ends (or is killed
+at a timeout) everything a job started ends with it. Inside, a runner takes one job at a time from this
+process and a zygote, forked before any job arrived, forks a clean worker per job: a job cannot see
+another's code or result (no memory, descriptor or /proc path reaches them: the runner and zygote are not
+dumpable, and this process sends a job only after the last result). Limits per job: `RLIMIT_AS` at
+`memory_mb` (an allocation beyond it is a MemoryError: "memory"), CPU seconds, a file size cap, a result
+read up to RESULT_CAP bytes, and `timeout_s` of wall clock from the moment the job is sent ("timeout":
+the child is killed and a new one takes the jobs after it). The number of processes a job starts is not
+limited (RLIMIT_NPROC is not set: the kernel exempts root's processes from it, and outside a user
+namespace it counts every process of the user): the timeout and the namespace's end bound them. Measured per job: bench/sandbox_overhead.py (BENCHMARKS.md).
 
 Who is to blame decides what happens (see engine.rewards.python_expr for how scores follow):
-  * anything a job does once the child is ready — raise, loop forever, exhaust memory, crash the
-    interpreter, print garbage — is the generated program's doing and becomes that job's status;
-  * a child that cannot even start (no interpreter, a cap too small to import json) is a broken
+  * anything a job does once the child is ready (raise, loop forever, exhaust memory, crash its process,
+    write garbage) is the generated program's doing and becomes that job's status;
+  * a child that cannot even start (no interpreter, a cap too small to import json, no bwrap) is a broken
     environment and raises RewardError: it must fail the stage, not score every response 0.
 
-This contains accidents, not adversaries: the child runs as the same user with the same file system.
-It gets an empty environment (no credentials from ours), a fresh temporary working directory, stdout
-and stderr sent to /dev/null, and no core dumps.
+isolation "none" runs the same child without bubblewrap, as this user (one warning line says so): only
+the limits above apply. The escapes it allows are tests/rewards/test_sandbox_escapes.py's.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,51 +43,113 @@ from typing import IO, Any, Literal
 from engine.errors import RewardError
 from engine.rewards.types import SandboxLimits
 
+log = logging.getLogger("rlflow.sandbox")
 Status = Literal["ok", "error", "timeout", "memory", "crashed"]
 
 _STARTUP_TIMEOUT_S = 30.0  # generous: a cold interpreter on a loaded machine
 
-# The child. It reads every job first (so the parent's write never blocks on a full pipe), keeps a
-# private copy of stdout for results, caps its address space, then points fds 1 and 2 at /dev/null so a
-# job's prints cannot corrupt the protocol, and says "ready".
+# The child: a runner and a zygote. The zygote is forked before any job arrives and forks one worker per
+# job, so a worker's memory holds nothing of another job (no code, no result); the runner is made
+# non-dumpable, so a worker cannot read its memory or descriptors through /proc. Per job: the runner asks
+# the zygote for a worker, gets the worker's two pipe ends over a Unix socket, writes the job, reads at
+# most `out_cap` bytes of result, and writes one checked JSON line to the parent. The parent sends the
+# next job only after the last result (so no job waits in a buffer a worker could read).
 _CHILD = r"""
-import json, os, resource, sys
-jobs = json.loads(sys.stdin.read())
+import json, os, resource, socket, sys
+cap, out_cap, fsize, cpu_s = (int(a) for a in sys.argv[1:5])
+os.environ.pop("PWD", None)  # bubblewrap's: the jobs get no environment but PATH
 results = os.fdopen(os.dup(1), "w")
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-cap = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 probe = bytearray(8 << 20)  # a cap with no room for any job fails here, loudly, not as a 0 for every job
 del probe
-null = os.open(os.devnull, os.O_WRONLY)
+null = os.open(os.devnull, os.O_RDWR)
 os.dup2(null, 1)
 os.dup2(null, 2)
+try:  # nobody (a worker, the same user) reads the runner's or the zygote's memory or descriptors through /proc
+    import ctypes
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0 (inherited by the zygote and its workers)
+except Exception:
+    pass
+runner_end, zygote_end = socket.socketpair()
+if os.fork() == 0:  # the zygote: it never sees a job
+    runner_end.close()
+    results.close()
+    os.dup2(null, 0)
+    while zygote_end.recv(1):
+        job_r, job_w = os.pipe()
+        out_r, out_w = os.pipe()
+        worker = os.fork()
+        if worker == 0:  # a worker: its own job in, its own result out, nothing else open
+            for fd in range(3, 1024):
+                if fd not in (job_r, out_w):
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
+            with os.fdopen(job_r, "rb") as f:
+                job = json.loads(f.read())
+            env = {} if job["builtins"] else {"__builtins__": {}}
+            try:
+                code = compile(job["code"], "<generated>", job["mode"])
+                if job["mode"] == "eval":
+                    value = eval(code, env)
+                else:
+                    exec(code, env)
+                    value = env.get("result")
+                line = json.dumps({"status": "ok", "value": value})
+            except MemoryError:
+                env = code = value = None
+                line = '{"status": "memory", "detail": "MemoryError"}'
+            except BaseException as err:
+                try:
+                    detail = (type(err).__name__ + ": " + str(err))[:300]
+                except BaseException:
+                    detail = type(err).__name__
+                line = json.dumps({"status": "error", "detail": detail})
+            data = line.encode()
+            while data:
+                data = data[os.write(out_w, data[:65536]):]
+            os._exit(0)
+        socket.send_fds(zygote_end, [b"w"], [job_w, out_r])
+        for fd in (job_r, job_w, out_r, out_w):
+            os.close(fd)
+        code = os.waitstatus_to_exitcode(os.waitpid(worker, 0)[1])
+        zygote_end.sendall(b"%d\n" % code)  # how the worker ended, after its result
+    os._exit(0)
+zygote_end.close()
 results.write('{"ready": true}\n')
 results.flush()
-for job in jobs:
-    env = {} if job["builtins"] else {"__builtins__": {}}
-    try:
-        code = compile(job["code"], "<generated>", job["mode"])
-        if job["mode"] == "eval":
-            value = eval(code, env)
-        else:
-            exec(code, env)
-            value = env.get("result")
-        line = json.dumps({"status": "ok", "value": value})
-    except MemoryError:
-        env = code = value = None
-        line = '{"status": "memory", "detail": "MemoryError"}'
-    except BaseException as err:
+for request in sys.stdin.buffer:
+    runner_end.sendall(b"j")
+    _, (job_w, out_r), _, _ = socket.recv_fds(runner_end, 1, 2)
+    with os.fdopen(job_w, "wb") as f:
+        f.write(request)
+    data, chunk = b"", b"x"
+    with os.fdopen(out_r, "rb") as f:
+        while chunk and len(data) <= out_cap:
+            chunk = f.read(65536)
+            data += chunk
+    code = int(runner_end.recv(32))
+    if len(data) > out_cap:
+        line = json.dumps({"status": "error", "detail": "its result is over %d bytes" % out_cap})
+    else:
         try:
-            detail = (type(err).__name__ + ": " + str(err))[:300]
-        except BaseException:
-            detail = type(err).__name__
-        line = json.dumps({"status": "error", "detail": detail})
-    env = code = value = None
+            record = json.loads(data)
+            ok = isinstance(record, dict) and record.get("status") in ("ok", "error", "memory", "crashed")
+        except ValueError:
+            ok = False
+        line = data.decode() if ok else json.dumps({"status": "crashed",
+                                                    "detail": "the interpreter exited with code %d" % code})
     results.write(line + "\n")
     results.flush()
 """
 
+# What a job may hold and write: its result (read up to this), files (RLIMIT_FSIZE), CPU seconds.
+RESULT_CAP = 1 << 20
+FILE_CAP = 16 << 20
 
 @dataclass(frozen=True)
 class SandboxJob:
@@ -113,12 +182,10 @@ def run_sandboxed(jobs: Sequence[SandboxJob], limits: SandboxLimits) -> list[San
 
 def _run_child(jobs: Sequence[SandboxJob], limits: SandboxLimits) -> list[SandboxResult]:
     """Run jobs in one child until they are done or one kills it; at least one result comes back."""
-    payload = json.dumps([asdict(job) for job in jobs]).encode()
-    cap_bytes = limits.memory_mb * 2**20
     with tempfile.TemporaryDirectory(prefix="rlflow-sandbox-") as cwd, tempfile.TemporaryFile() as stderr:
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-c", _CHILD, str(cap_bytes)],
+                child_command(limits),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=stderr,
@@ -132,7 +199,6 @@ def _run_child(jobs: Sequence[SandboxJob], limits: SandboxLimits) -> list[Sandbo
         reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
         reader.start()
         try:
-            _send(proc, payload)
             _await_ready(proc, lines, stderr, limits)
             return _collect(proc, jobs, lines, limits)
         finally:
@@ -140,13 +206,35 @@ def _run_child(jobs: Sequence[SandboxJob], limits: SandboxLimits) -> list[Sandbo
             reader.join(timeout=5)
 
 
-def _send(proc: subprocess.Popen[bytes], payload: bytes) -> None:
-    assert proc.stdin is not None
-    try:
-        proc.stdin.write(payload)
-        proc.stdin.close()
-    except BrokenPipeError:
-        pass  # the child died before reading; _await_ready reports why
+BWRAP = "bwrap"
+_warned: list[bool] = []
+
+
+def bwrap_available() -> bool:
+    return shutil.which(BWRAP) is not None
+
+
+def child_command(limits: SandboxLimits) -> list[str]:
+    """The sandbox child's command line. isolation "bwrap": in Debian's bubblewrap, with new user, PID,
+    network, IPC and UTS namespaces (no network at all, no other process visible), the root file system
+    read-only, a private /tmp, no capabilities, and the whole namespace ended with the child."""
+    cpu_s = int(limits.timeout_s) + 2  # a job's CPU seconds: its wall clock bounds it first
+    child = [sys.executable, "-I", "-c", _CHILD, str(limits.memory_mb * 2**20), str(RESULT_CAP), str(FILE_CAP),
+             str(cpu_s)]
+    if limits.isolation == "none":
+        if not _warned:
+            _warned.append(True)
+            log.warning("reward.sandbox.isolation=none: code the model writes or calls runs as this user, "
+                        "unconfined (only timeouts and memory caps apply)")
+        return child
+    if not bwrap_available():
+        raise RewardError("code a model writes runs only in bubblewrap, and bwrap is not installed: install it "
+                          "(apt-get install bubblewrap), or set reward.sandbox.isolation=none to run it unconfined")
+    # --as-pid-1: no bubblewrap process inside the namespace (it would hold the pipe to this process, open
+    # to a job through /proc/1/fd); the runner is the namespace's init, and all of it ends with it
+    return [BWRAP, "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1", "--cap-drop", "ALL",
+            "--ro-bind", "/", "/", "--tmpfs", "/tmp", "--proc", "/proc", "--dev", "/dev", "--chdir", "/tmp",
+            "--clearenv", "--setenv", "PATH", os.defpath, "--", *child]
 
 
 def _await_ready(
@@ -174,20 +262,25 @@ def _collect(
     limits: SandboxLimits,
 ) -> list[SandboxResult]:
     results: list[SandboxResult] = []
-    start = time.monotonic()  # each job's clock starts when the previous one's result arrived
-    for _ in jobs:
+    assert proc.stdin is not None
+    for job in jobs:
+        start = time.monotonic()  # each job's clock starts when it is sent
         try:
-            line = lines.get(timeout=max(0.0, start + limits.timeout_s - time.monotonic()))
+            proc.stdin.write(json.dumps(asdict(job)).encode() + b"\n")
+            proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # the child died: the read below says so
+        try:
+            line = lines.get(timeout=limits.timeout_s)
         except queue.Empty:
             _kill(proc)
             elapsed = time.monotonic() - start
             return results + [
                 SandboxResult("timeout", detail=f"killed after {elapsed:.2f} s", elapsed_s=elapsed)
             ]
-        now = time.monotonic()
-        elapsed, start = now - start, now
+        elapsed = time.monotonic() - start
         record = _parse(line)
-        if record is None:  # the child died mid-job, or the job wrote over the protocol
+        if record is None:  # the child died mid-job
             _kill(proc)
             detail = f"the interpreter exited with code {proc.returncode}" if line is None else "bad output"
             return results + [SandboxResult("crashed", detail=detail, elapsed_s=elapsed)]
@@ -204,12 +297,12 @@ def _parse(line: bytes | None) -> dict[str, Any] | None:
         record = json.loads(line)
     except ValueError:
         return None
-    ok = isinstance(record, dict) and record.get("status") in ("ok", "error", "memory")
+    ok = isinstance(record, dict) and record.get("status") in ("ok", "error", "memory", "crashed")
     return record if ok else None
 
 
 def _pump(stream: IO[bytes], lines: queue.Queue[bytes | None]) -> None:
-    for line in iter(stream.readline, b""):
+    for line in iter(lambda: stream.readline(RESULT_CAP + 4096), b""):  # the runner caps a result already
         lines.put(line)
     lines.put(None)  # end of output: the child exited or was killed
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from engine.config import RewardConfig
 
@@ -25,10 +25,11 @@ class SandboxLimits:
 
     timeout_s: float
     memory_mb: int
+    isolation: Literal["bwrap", "none"] = "bwrap"  # "none": the child runs as this user, unconfined
 
     @classmethod
     def from_config(cls, cfg: RewardConfig) -> SandboxLimits:
-        return cls(timeout_s=cfg.sandbox_timeout_s, memory_mb=cfg.sandbox_memory_mb)
+        return cls(timeout_s=cfg.sandbox_timeout_s, memory_mb=cfg.sandbox_memory_mb, isolation=cfg.sandbox.isolation)
 
 
 class RowReward(Protocol):

@@ -62,6 +62,7 @@ class PolicySpec(BaseModel):
     total_iterations: int = 1
     seed: int = 0
     reward_model: RewardModelSpec | None = None  # reward.model.placement=colocated: loaded in every policy rank
+    sandbox_isolation: Literal["bwrap", "none"] = "bwrap"  # reward.sandbox.isolation: how tool calls are confined
 
 
 class PolicyWorker(RankWorker):
@@ -121,7 +122,8 @@ class PolicyWorker(RankWorker):
         with self._generating():
             return generate_batch(self.rollout, prompts, self.spec.rollout, seed=self.spec.seed, iteration=iteration,
                                   rank=self.rank, do_sample=do_sample, version=self.version, draw=draw,
-                                  tokenizer=self.tokenizer, tools=self.tools)
+                                  tokenizer=self.tokenizer, tools=self.tools,
+                                  isolation=self.spec.sandbox_isolation)
 
     @contextmanager
     def _generating(self) -> Iterator[None]:
@@ -418,7 +420,7 @@ class PolicyWorker(RankWorker):
 
 def generate_batch(rollout: Any, prompts: Batch, cfg: RolloutConfig, *, seed: int, iteration: int, rank: int,
                    do_sample: bool, version: int, draw: int = 0, tokenizer: Any = None,
-                   tools: dict[str, Any] | None = None) -> Batch:
+                   tools: dict[str, Any] | None = None, isolation: Literal["bwrap", "none"] = "bwrap") -> Batch:
     """Responses to `prompts` in micro-batches of cfg.micro_batch_size, each sampled with a seed derived
     from (run seed, iteration, stage, draw, micro-batch, rank); the first draw's seeds leave the draw out. Adds `prompt_ids`, `responses`, `response_mask`,
     the full `input_ids` / `attention_mask` [B, P+T], the behaviour log-probs `rollout_logp` [B, T] and
@@ -427,7 +429,8 @@ def generate_batch(rollout: Any, prompts: Batch, cfg: RolloutConfig, *, seed: in
     stage = ("rollout" if do_sample else "rollout_greedy") + (f"/draw{draw}" if draw else "")
     if cfg.multi_turn.enable:  # assistant -> tool -> assistant (engine/multi_turn.py)
         return generate_multi_turn(rollout, tokenizer, tools or {}, prompts, cfg, seed=seed, iteration=iteration,
-                                   rank=rank, do_sample=do_sample, version=version, stage=stage)
+                                   rank=rank, do_sample=do_sample, version=version, stage=stage,
+                                   isolation=isolation)
     outs = []
     for i, micro in enumerate(prompts.chunks(cfg.micro_batch_size) if len(prompts) else []):
         micro_seed = derive_seed(seed, iteration, f"{stage}/{i}", rank)

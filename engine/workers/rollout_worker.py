@@ -53,7 +53,7 @@ class RolloutWorker(RankWorker):
         self.check_version(expected_version)
         return generate_batch(self.rollout, prompts, self.spec.rollout, seed=self.spec.seed, iteration=iteration,
                               rank=self.rank, do_sample=do_sample, version=self.version, draw=draw,
-                              tokenizer=self.tokenizer, tools=self.tools)
+                              tokenizer=self.tokenizer, tools=self.tools, isolation=self.spec.sandbox_isolation)
 
     # -- weights -----------------------------------------------------------------------------------
     def join_sync_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:

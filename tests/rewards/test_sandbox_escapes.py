@@ -1,0 +1,242 @@
+"""Code a model writes or calls, run in the sandbox (engine/rewards/sandbox.py, isolation "bwrap"), tried as
+an attacker would: each escape below worked on main (the child ran as our user, unconfined) and fails now.
+
+Needs Debian's bubblewrap (`bwrap`; .ci/run installs it). Where it is missing these tests say so in one line
+and skip, except where RLFLOW_SANDBOX_TESTS=required (CI), where they fail."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from engine.rewards import SandboxJob, SandboxLimits, run_sandboxed
+from engine.rewards.sandbox import RESULT_CAP
+
+LIMITS = SandboxLimits(timeout_s=3.0, memory_mb=512)
+
+
+@pytest.fixture(autouse=True)
+def bwrap() -> None:
+    if shutil.which("bwrap") is None:
+        message = "bubblewrap (bwrap) is not installed: apt-get install bubblewrap to run the sandbox tests"
+        if os.environ.get("RLFLOW_SANDBOX_TESTS") == "required":
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def run(code: str, limits: SandboxLimits = LIMITS) -> object:
+    (result,) = run_sandboxed([SandboxJob(code, mode="exec", builtins=True)], limits)
+    assert result.status == "ok", result
+    return result.value
+
+
+def test_no_process_of_ours_is_visible_nor_its_environment() -> None:
+    """On main the job read /proc/<parent>/environ: the stage's S3 secret. Here a process of ours holds a
+    planted secret in its environment, as a stage process holds the run's credentials."""
+    import subprocess
+
+    secret = "planted-" + os.urandom(6).hex()
+    holder = subprocess.Popen(["sleep", "60"], env={"AWS_SECRET_ACCESS_KEY": secret})
+    try:
+        _scan_for(secret, holder.pid)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def _scan_for(secret: str, holder: int) -> None:
+    scan = f"""
+import os
+result = {{"pids": [], "found": []}}
+for pid in os.listdir("/proc"):
+    if pid.isdigit():
+        result["pids"].append(int(pid))
+        try:
+            if {secret!r}.encode() in open(f"/proc/{{pid}}/environ", "rb").read():
+                result["found"].append(int(pid))
+        except OSError:
+            pass
+"""
+    found = run(scan)
+    assert found["found"] == []  # type: ignore[index]
+    assert holder not in found["pids"] and len(found["pids"]) <= 8, found  # type: ignore[index]
+    unconfined = run(scan, SandboxLimits(timeout_s=3.0, memory_mb=512, isolation="none"))  # what main did
+    assert unconfined["found"] == [holder]  # type: ignore[index]
+
+
+def test_nothing_outside_its_private_tmp_can_be_written(tmp_path: Path) -> None:
+    target = tmp_path / "written-by-the-job"
+    got = run(f"""
+result = []
+for path in ({str(target)!r}, "/etc/rlflow-was-here", "/tmp/mine"):
+    try:
+        open(path, "w").write("x")
+        result.append("wrote " + path)
+    except OSError as err:
+        result.append(type(err).__name__)
+""")
+    assert not any(str(g).startswith("wrote") for g in got[:2]), got  # type: ignore[index]
+    assert got[2] == "wrote /tmp/mine", got  # its own /tmp is writable  # type: ignore[index]
+    assert not target.exists() and not Path("/etc/rlflow-was-here").exists()
+
+
+def test_no_network_not_even_loopback() -> None:
+    """On main the job connected to a server of ours on 127.0.0.1."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        server.settimeout(0.5)
+        port = server.getsockname()[1]
+        got = run(f"""
+import socket
+try:
+    socket.create_connection(("127.0.0.1", {port}), timeout=2).close()
+    result = "connected"
+except OSError as err:
+    result = type(err).__name__
+""")
+        assert got != "connected", got
+        with pytest.raises(socket.timeout):
+            server.accept()
+
+
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if marker in " ".join(proc.info["cmdline"] or []):
+            found.append(proc.info["pid"])
+    return found
+
+
+@pytest.mark.parametrize("ends", ["returns", "runs over its timeout"])
+def test_nothing_it_starts_outlives_it(ends: str) -> None:
+    """On main a child the job started in its own session outlived the timeout's kill (and the caller
+    waited for it)."""
+    marker = "rlflow-orphan-" + os.urandom(4).hex()
+    code = f"""
+import subprocess, sys
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)  # {marker}"], start_new_session=True,
+                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+result = "started"
+"""
+    if ends != "returns":
+        code += "while True:\n    pass\n"
+    start = time.monotonic()
+    (result,) = run_sandboxed([SandboxJob(code, mode="exec", builtins=True)], LIMITS)
+    assert result.status == ("ok" if ends == "returns" else "timeout"), result
+    assert time.monotonic() - start < LIMITS.timeout_s + 3.0
+    deadline = time.monotonic() + 3.0
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_with(marker) == []
+
+
+def test_a_call_cannot_read_or_forge_another_calls_job_or_result() -> None:
+    """Job 0 writes a forged result to every descriptor and /proc path it can reach and reads what it can
+    there; job 2 searches its own memory for job 0's code. On main all jobs ran in one process, in turn,
+    with the results descriptor open."""
+    half1, half2 = "SECRET-" + os.urandom(4).hex(), os.urandom(4).hex() + "-OF-JOB0"
+    forged = '{"status": "ok", "value": "forged"}\n'
+    job0 = f"""
+import os
+secret = "{half1 + half2}"
+me = str(os.getpid())
+mine = sorted(int(fd) for fd in os.listdir("/proc/self/fd"))  # 0-2 (/dev/null), its result pipe, the listing
+seen = 0
+for pid in [p for p in os.listdir("/proc") if p.isdigit() and p != me]:
+    for fd in range(0, 16):
+        try:
+            handle = os.open(f"/proc/{{pid}}/fd/{{fd}}", os.O_RDWR | os.O_NONBLOCK)
+        except OSError:
+            continue
+        seen += 1
+        try:
+            os.write(handle, {forged!r}.encode())
+        except OSError:
+            pass
+        os.close(handle)
+result = [len(mine), seen]
+"""
+    job2 = f"""
+first, second = "{half1}".encode(), "{half2}".encode()
+found = False
+for line in open("/proc/self/maps"):
+    fields = line.split()
+    start, end = (int(x, 16) for x in fields[0].split("-"))
+    if "r" not in fields[1] or end - start > 1 << 28:
+        continue
+    try:
+        with open("/proc/self/mem", "rb") as mem:
+            mem.seek(start)
+            data = mem.read(end - start)
+    except (OSError, ValueError, OverflowError):
+        continue
+    at = data.find(first)
+    while at >= 0 and not found:
+        found = data[at + len(first):at + len(first) + len(second)] == second
+        at = data.find(first, at + 1)
+result = found
+"""
+    spoiler = f"""
+import os
+for fd in range(0, 256):
+    try:
+        os.write(fd, {forged!r}.encode())
+    except OSError:
+        pass
+result = "spoiled"
+"""
+    results = run_sandboxed([SandboxJob(job0, mode="exec", builtins=True), SandboxJob("'real'"),
+                             SandboxJob(job2, mode="exec", builtins=True),
+                             SandboxJob(spoiler, mode="exec", builtins=True), SandboxJob("'also real'")], LIMITS)
+    assert [r.status for r in results] == ["ok", "ok", "ok", "crashed", "ok"], results
+    assert results[0].value == [5, 0]  # its own descriptors only; none of another process could be opened
+    assert results[1].value == "real" and results[4].value == "also real"  # no forged line reached them
+    assert results[2].value is False  # job 0's code is nowhere in job 2's memory
+    # a job that writes into every descriptor it has spoils its own result, nobody else's
+
+
+def test_a_result_is_read_up_to_its_cap() -> None:
+    """On main the caller read whatever the child wrote (a job filled its memory through the pipe)."""
+    (big, after) = run_sandboxed([SandboxJob(f"'x' * {RESULT_CAP * 8}"), SandboxJob("1 + 1")], LIMITS)
+    assert (big.status, big.detail) == ("error", f"its result is over {RESULT_CAP} bytes")
+    assert (after.status, after.value) == ("ok", 2)
+
+
+
+def test_where_bwrap_is_missing_only_pure_tools_run_unless_isolation_is_none(monkeypatch: pytest.MonkeyPatch,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
+    from engine.errors import RewardError
+    from engine.rewards import sandbox
+    from engine.tools import ToolCall, call_tools, load_tools
+
+    monkeypatch.setattr(sandbox, "BWRAP", "bwrap-not-installed-here")
+    tools = load_tools([f"{Path(__file__).resolve().parents[1] / 'pipeline' / 'tools.py'}:echo",
+                        "engine.builtin_tools:calculator"])
+    calls = [("0", ToolCall("echo", {"text": "abc"})), ("1", ToolCall("calculator", {"expression": "6*7"}))]
+    assert call_tools(calls, tools, LIMITS, 200) == [
+        "error: echo runs only in the sandbox, and bubblewrap (bwrap) is not installed", "42"]  # calculator: pure
+    with pytest.raises(RewardError, match=r"bwrap is not installed: install it \(apt-get install bubblewrap\), or "
+                                          r"set reward.sandbox.isolation=none"):
+        run_sandboxed([SandboxJob("1 + 1")], LIMITS)  # a code reward
+    unconfined = SandboxLimits(timeout_s=3.0, memory_mb=512, isolation="none")
+    sandbox._warned.clear()
+    with caplog.at_level("WARNING", logger="rlflow.sandbox"):
+        assert call_tools(calls, tools, unconfined, 200) == ["cba", "42"]
+        assert run_sandboxed([SandboxJob("1 + 1")], unconfined)[0].value == 2
+    assert [r.message for r in caplog.records] == [
+        "reward.sandbox.isolation=none: code the model writes or calls runs as this user, unconfined (only "
+        "timeouts and memory caps apply)"]  # one line
+
+
+def test_the_isolation_setting_reaches_the_sandbox() -> None:
+    from engine.config import RewardConfig
+
+    assert SandboxLimits.from_config(RewardConfig()).isolation == "bwrap"
+    assert SandboxLimits.from_config(RewardConfig(sandbox={"isolation": "none"})).isolation == "none"
