@@ -204,7 +204,8 @@ def call_tools(calls: Sequence[tuple[str, ToolCall] | str], tools: dict[str, tup
         where.append((len(out), call.name))
         jobs.append(SandboxJob(code=code, mode="exec", builtins=True))
         out.append(None)
-    for (i, name), result in zip(where, run_sandboxed(jobs, limits) if jobs else []):
+    files = sorted({ref.rpartition(":")[0] for ref, _ in tools.values() if ref.rpartition(":")[0].endswith(".py")})
+    for (i, name), result in zip(where, run_sandboxed(jobs, limits, files) if jobs else []):
         out[i] = _observation(name, result, limits)
     return [(text or "")[:max_chars] for text in out]
 

@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import IO, Any, Literal
 
 from engine.errors import RewardError
@@ -172,20 +173,23 @@ class SandboxResult:
     elapsed_s: float = 0.0
 
 
-def run_sandboxed(jobs: Sequence[SandboxJob], limits: SandboxLimits) -> list[SandboxResult]:
-    """Run `jobs` in child processes under `limits`; one result per job, in order."""
+def run_sandboxed(jobs: Sequence[SandboxJob], limits: SandboxLimits, readable: Sequence[str] = ()
+                  ) -> list[SandboxResult]:
+    """Run `jobs` in child processes under `limits`; one result per job, in order. `readable`: files or
+    folders the jobs read (a tool's file), shown read-only where the sandbox's private /tmp hides them."""
     results: list[SandboxResult] = []
     while len(results) < len(jobs):
-        results.extend(_run_child(jobs[len(results) :], limits))
+        results.extend(_run_child(jobs[len(results) :], limits, readable))
     return results
 
 
-def _run_child(jobs: Sequence[SandboxJob], limits: SandboxLimits) -> list[SandboxResult]:
+def _run_child(jobs: Sequence[SandboxJob], limits: SandboxLimits, readable: Sequence[str] = ()
+               ) -> list[SandboxResult]:
     """Run jobs in one child until they are done or one kills it; at least one result comes back."""
     with tempfile.TemporaryDirectory(prefix="rlflow-sandbox-") as cwd, tempfile.TemporaryFile() as stderr:
         try:
             proc = subprocess.Popen(
-                child_command(limits),
+                child_command(limits, readable),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=stderr,
@@ -214,10 +218,11 @@ def bwrap_available() -> bool:
     return shutil.which(BWRAP) is not None
 
 
-def child_command(limits: SandboxLimits) -> list[str]:
+def child_command(limits: SandboxLimits, readable: Sequence[str] = ()) -> list[str]:
     """The sandbox child's command line. isolation "bwrap": in Debian's bubblewrap, with new user, PID,
     network, IPC and UTS namespaces (no network at all, no other process visible), the root file system
-    read-only, a private /tmp, no capabilities, and the whole namespace ended with the child."""
+    read-only, a private /tmp (what the jobs need from the real /tmp, read-only: this interpreter, its
+    environment, rlflow's source, `readable`), no capabilities, and the namespace ended with the child."""
     cpu_s = int(limits.timeout_s) + 2  # a job's CPU seconds: its wall clock bounds it first
     child = [sys.executable, "-I", "-c", _CHILD, str(limits.memory_mb * 2**20), str(RESULT_CAP), str(FILE_CAP),
              str(cpu_s)]
@@ -233,8 +238,18 @@ def child_command(limits: SandboxLimits) -> list[str]:
     # --as-pid-1: no bubblewrap process inside the namespace (it would hold the pipe to this process, open
     # to a job through /proc/1/fd); the runner is the namespace's init, and all of it ends with it
     return [BWRAP, "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1", "--cap-drop", "ALL",
-            "--ro-bind", "/", "/", "--tmpfs", "/tmp", "--proc", "/proc", "--dev", "/dev", "--chdir", "/tmp",
-            "--clearenv", "--setenv", "PATH", os.defpath, "--", *child]
+            "--ro-bind", "/", "/", "--tmpfs", "/tmp", *_shown_from_tmp(readable), "--proc", "/proc", "--dev", "/dev",
+            "--chdir", "/tmp", "--clearenv", "--setenv", "PATH", os.defpath, "--", *child]
+
+
+def _shown_from_tmp(readable: Sequence[str]) -> list[str]:
+    """--ro-bind arguments for what the child needs from under /tmp (a virtual environment or a checkout
+    there, a tool's file), which the private /tmp would hide."""
+    wanted = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+              str(Path(__file__).resolve().parents[2]), *(os.path.realpath(p) for p in readable)}
+    under = sorted(p for p in wanted if p.startswith("/tmp/") and os.path.exists(p))
+    kept = [p for p in under if not any(p.startswith(q.rstrip("/") + "/") for q in under if q != p)]
+    return [arg for p in kept for arg in ("--ro-bind", p, p)]
 
 
 def _await_ready(
