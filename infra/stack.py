@@ -368,10 +368,6 @@ class LocalStack:
             # The UI's own API address: `--port` does not reach it, and it would default to port 4200
             # (whatever server runs there) for a stack on another port.
             PREFECT_SERVER_UI_API_URL=prefect_api_url(port),
-            # A page in a local browser must not drive the API: state changes need a CSRF token (Prefect's
-            # clients and UI fetch one), and only the stack's own UI origin may read responses (the token's).
-            PREFECT_SERVER_CSRF_PROTECTION_ENABLED="true",
-            PREFECT_SERVER_CORS_ALLOWED_ORIGINS=f"http://{HOST}:{port}",
             DO_NOT_TRACK="1",
         )
         cmd = [_executable("prefect"), "server", "start", "--host", HOST, "--port", str(port)]
