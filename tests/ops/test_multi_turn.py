@@ -32,7 +32,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 KILL_AFTER_UPDATE_2 = ("debug.kill_flow_after=update_policy", "debug.kill_iteration=2")
 ITERATIONS, N, PROMPTS = 2, 4, 4
 SFT_STEPS = 150
-TOOL = "rollout.multi_turn.tools=engine.builtin_tools:calculator"  # code: given again on every resume
+# code: given again on every resume (with the switch its check needs)
+TOOL = ("rollout.multi_turn.enable=true", "rollout.multi_turn.tools=engine.builtin_tools:calculator")
 TOOLS = Path(__file__).resolve().parents[1] / "pipeline" / "tools.py"
 
 
@@ -50,7 +51,7 @@ def args(model: Path, root: Path, run_id: str, *extra: str) -> list[str]:
             f"trainer.total_iterations={ITERATIONS}", "trainer.save_every=1", "trainer.val_every=0",
             f"data.train_batch_size={PROMPTS}", f"rollout.n={N}", "actor.mini_batch_size=16", "actor.micro_batch_size=8",
             "data.train_size=64", "data.val_size=8", "rollout.max_new_tokens=144", "actor.lr=1e-4",
-            "actor.use_kl_loss=true", "rollout.multi_turn.enable=true", TOOL, *extra]
+            "actor.use_kl_loss=true", *TOOL, *extra]
 
 
 def buffer(root: Path, run_id: str, iteration: int, name: str) -> Batch:
@@ -119,7 +120,7 @@ def test_failed_then_killed_multi_turn_run_resumes_like_the_uninterrupted_one(
     assert failed.returncode != 0 and failed.returncode != -signal.SIGKILL, failed.stderr[-3000:]
     assert metrics_done(tmp_path, "mt-fail") == [1]
     before = buffers(tmp_path, "mt-fail")
-    killed = cli("train", "--resume", "mt-fail", f"storage.root={tmp_path}", TOOL, *KILL_AFTER_UPDATE_2)
+    killed = cli("train", "--resume", "mt-fail", f"storage.root={tmp_path}", *TOOL, *KILL_AFTER_UPDATE_2)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert cli("engine", "stop", "mt-fail").returncode == 0
     # killed by the resume, after iteration 2's update and before its commit
@@ -127,7 +128,7 @@ def test_failed_then_killed_multi_turn_run_resumes_like_the_uninterrupted_one(
     assert metrics_done(tmp_path, "mt-fail") == [1]
     after_kill = buffers(tmp_path, "mt-fail")
     assert all(after_kill[k] == v for k, v in before.items())  # the failed iteration's rollout was reused
-    again = warm_cli("train", "--resume", "mt-fail", f"storage.root={tmp_path}", TOOL)  # a process new to the run
+    again = warm_cli("train", "--resume", "mt-fail", f"storage.root={tmp_path}", *TOOL)  # a process new to the run
     assert again.returncode == 0, again.stderr[-4000:]
     assert "restored checkpoint step 1" in again.stdout + again.stderr
     after = buffers(tmp_path, "mt-fail")
