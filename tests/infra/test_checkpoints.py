@@ -272,17 +272,23 @@ def _through_an_admitted_module(command: str) -> bytes:
             + text(command) + b"\x85" + b"R" + b".")  # STACK_GLOBAL, TUPLE1, REDUCE, STOP
 
 
+def _committed_with_crafted_metadata(store: ObjectStore, run_id: str, command: str) -> CheckpointStore:
+    """Step 1 of `run_id` committed with its .metadata replaced by the crafted pickle and a manifest made to
+    match (whoever writes the bucket rewrites MANIFEST.json too)."""
+    ckpts = CheckpointStore(store, run_id)
+    ckpts.begin(1)
+    written = _write_policy(ckpts, 1, _state(1))
+    crafted = _through_an_admitted_module(command)
+    store.put_bytes(f"{run_id}/checkpoints/step_000001/policy/.metadata", crafted)
+    ckpts.commit(1, [r if r["path"] != "policy/.metadata" else
+                     {**r, "size": len(crafted), "sha256": hashlib.sha256(crafted).hexdigest()} for r in written])
+    return ckpts
+
+
 def test_metadata_cannot_reach_code_through_an_admitted_module(store: ObjectStore, tmp_path) -> None:
     """Whoever writes the bucket rewrites the manifest too: a .metadata that reaches os.system through the
     metadata module is refused, and the command never runs."""
-    ckpts = CheckpointStore(store, "run1")
-    ckpts.begin(1)
-    written = _write_policy(ckpts, 1, _state(1))
-    crafted = _through_an_admitted_module(f"touch {tmp_path / 'pwned'}")
-    store.put_bytes("run1/checkpoints/step_000001/policy/.metadata", crafted)
-    written = [r if r["path"] != "policy/.metadata" else
-               {**r, "size": len(crafted), "sha256": hashlib.sha256(crafted).hexdigest()} for r in written]
-    ckpts.commit(1, written)
+    ckpts = _committed_with_crafted_metadata(store, "run1", f"touch {tmp_path / 'pwned'}")
     with pytest.raises(checkpoint_io.CheckpointCorruptError, match="os.system, which is not a metadata type"):
         _read_policy(ckpts.step_url(1, "policy"), _zeros_like(_state(1)), ckpts, _expected(ckpts.read_manifest(1)))
     assert not (tmp_path / "pwned").exists()
@@ -299,14 +305,7 @@ def test_a_base_checkpoint_is_read_with_the_safe_reader(tiny_model_dir: Path, tm
     monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path / "cache"))
     store = ObjectStore(str(tmp_path / "runs"))
     RunStore(store, "base").write_run_info(load_config(None, [f"model.path={tiny_model_dir}"]).public_dict())
-    ckpts = CheckpointStore(store, "base")
-    ckpts.begin(1)
-    written = _write_policy(ckpts, 1, _state(1))
-    crafted = _through_an_admitted_module(f"touch {tmp_path / 'pwned'}")
-    store.put_bytes("base/checkpoints/step_000001/policy/.metadata", crafted)
-    written = [r if r["path"] != "policy/.metadata" else
-               {**r, "size": len(crafted), "sha256": hashlib.sha256(crafted).hexdigest()} for r in written]
-    ckpts.commit(1, written)
+    ckpts = _committed_with_crafted_metadata(store, "base", f"touch {tmp_path / 'pwned'}")
     with pytest.raises(checkpoint_io.CheckpointCorruptError, match="os.system, which is not a metadata type"):
         base_model_dir(BaseCheckpoint("base", 1, ckpts.step_url(1)), store)
     assert not (tmp_path / "pwned").exists()
