@@ -131,7 +131,7 @@ def ray_head(num_cpus: int = 4, stage_slots: int = 4) -> Iterator[str]:
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
     cmd = [_ray_bin(), "start", "--head", "--block", f"--port={port}", f"--num-cpus={num_cpus}",
            "--include-dashboard=false", f"--temp-dir={temp}", f'--resources={{"rlflow_stage": {stage_slots}}}',
-           "--disable-usage-stats"]
+           "--disable-usage-stats", "--include-log-monitor=false"]  # drivers here use log_to_driver=False
     log = open(Path(temp) / "head.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     address = f"127.0.0.1:{port}"
