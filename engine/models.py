@@ -20,18 +20,13 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForTokenClassification,
-    AutoTokenizer,
-    PretrainedConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:  # the model classes are imported where a model is loaded: the CLI's checks need none
+    from transformers import PreTrainedModel
 
 from engine.batch import Batch
 from engine.config import ModelConfig
@@ -179,6 +174,8 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def load_model(path: str, *, dtype: str = "float32", trust_remote_code: bool = False) -> PreTrainedModel:
     """A causal LM from a directory or hub id (see `resolve_model_path`), in eval mode, without dropout."""
+    from transformers import AutoModelForCausalLM
+
     return _load(AutoModelForCausalLM, path, dtype=dtype, trust_remote_code=trust_remote_code,
                  what="a causal LM")
 
@@ -186,6 +183,8 @@ def load_model(path: str, *, dtype: str = "float32", trust_remote_code: bool = F
 def load_value_model(path: str, *, dtype: str = "float32", trust_remote_code: bool = False) -> PreTrainedModel:
     """The critic: the causal LM's trunk with one output per token (transformers' token-classification
     head, a new linear layer), in eval mode, without dropout (its head defaults to 0.1 otherwise)."""
+    from transformers import AutoModelForTokenClassification
+
     return _load(AutoModelForTokenClassification, path, dtype=dtype, trust_remote_code=trust_remote_code,
                  what="a value model (token classification)", num_labels=1)
 

@@ -10,40 +10,28 @@ import json
 import logging
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import ray
+from typing import TYPE_CHECKING, Any
 
 from engine.config import RewardConfig
-from engine.data import PromptDataset, load_train_val
-from engine.engine import EngineSpec, check_fits
 from engine.errors import ConfigError, RewardError
-from engine.models import (
-    cache_dir,
-    load_tokenizer,
-    model_identity,
-    prompt_lengths,
-    resolve_model_path,
-    resolve_reward_model_path,
-    resolve_tokenizer_path,
-)
-from engine.reward_model import RewardModelSpec, check_reward_model
-from engine.tools import describe, load_tools
-from engine.workers.critic import CriticSpec
-from engine.workers.group import check_run_id
-from engine.workers.policy import PolicySpec
-from flows.algorithms import stages_for
 from flows.config import RLConfig, build_config, load_config
 from infra.config import StorageConfig
 from infra.errors import StoreUnavailable
+from infra.layout import check_run_id
 from infra.runs import Lease, RunStore
 from infra.store import ObjectStore
-from tasks.context import RunPlan
+
+if TYPE_CHECKING:  # the engine, Ray and the model classes are imported where a check needs them: a bad
+    # setting, run id or data file is answered in about 2 s instead of 6 (2 cores)
+    from engine.data import PromptDataset
+    from engine.engine import EngineSpec
+    from tasks.context import RunPlan
 
 log = logging.getLogger("rlflow.train")
 
@@ -148,6 +136,19 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
     run id free (new run), model and tokenizer, data rows and prompt lengths, batch size, the engine
     and stage list, and the reward on a few real rows. `rlflow train` calls it before the stack starts;
     `open_run` calls it again (a deployment's run comes without the CLI)."""
+    from engine.data import load_train_val
+    from engine.models import (
+        cache_dir,
+        load_tokenizer,
+        model_identity,
+        prompt_lengths,
+        resolve_model_path,
+        resolve_reward_model_path,
+        resolve_tokenizer_path,
+    )
+    from engine.tools import describe, load_tools
+    from flows.algorithms import stages_for
+
     check_run_id(run_id)
     check_stage_timeouts(cfg)
     probe = probe_store(cfg.storage)
@@ -170,7 +171,10 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
         raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} is larger than the training set "
                           f"({len(train)} prompts after filtering): lower it or add data")
     engine = engine_spec(cfg, run_id, model_path, tokenizer_path)
-    if ray.is_initialized():  # the CLI checks again once the stack is up; a flow run has Ray
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():  # the CLI checks again once the stack is up; a flow run has Ray
+        from engine.engine import check_fits
+
         check_fits(engine, ray.cluster_resources())
     check_lora(cfg, model_path)
     identity = model_identity(model_path)
@@ -182,6 +186,8 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
         check_reward(train, cfg.reward.model_copy(update={"function": cfg.reward.cost_function,
                                                           "overlong_buffer_len": 0}))
     if cfg.reward.model.path is not None:
+        from engine.reward_model import check_reward_model
+
         check_reward_model(resolve_reward_model_path(cfg.reward.model.path), cfg.reward.model.trust_remote_code)
     return CheckedInputs(store, runs, model_path, tokenizer_path, train, val, engine, identity)
 
@@ -258,6 +264,9 @@ def _reachable(store: ObjectStore) -> Iterator[None]:
 
 def open_run(cfg: RLConfig, run_id: str, *, resume: bool, parent: dict[str, Any] | None = None) -> OpenRun:
     """Check the inputs, then take the run's lease and write run.json (a new run) — in that order."""
+    from flows.algorithms import stages_for
+    from tasks.context import RunPlan
+
     inputs = check_inputs(cfg, run_id, resume=resume)
     runs, train, val = inputs.runs, inputs.train, inputs.val
     lease = runs.acquire_lease(cfg.storage.lease_ttl_s)
@@ -295,6 +304,8 @@ def stage_names(stages: list[Any]) -> list[str]:
 
 def check_stage_timeouts(cfg: RLConfig) -> None:
     """trainer.stage_timeouts names stages of this run only: a typo must not leave a stage at the default."""
+    from flows.algorithms import stages_for
+
     known = stage_names(stages_for(cfg))
     for name in cfg.trainer.stage_timeouts:
         if name not in known:
@@ -304,6 +315,12 @@ def check_stage_timeouts(cfg: RLConfig) -> None:
 
 def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str) -> EngineSpec:
     """The engine of this run: policy (+ ref when a KL term is on) and, for PPO, a critic."""
+    from engine.engine import EngineSpec
+    from engine.models import resolve_reward_model_path
+    from engine.reward_model import RewardModelSpec
+    from engine.workers.critic import CriticSpec
+    from engine.workers.policy import PolicySpec
+
     device = resolve_device(cfg.trainer.device)
     if device != "cpu":
         raise ConfigError(f"trainer.device={cfg.trainer.device!r} is not allowed yet: it means {device}, and "

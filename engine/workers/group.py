@@ -34,7 +34,7 @@ def actor_name(run_id: str, role: str, rank: int) -> str:
 
 
 def check_run_id(run_id: str) -> str:
-    if not _RUN_ID.match(run_id):
+    if not _RUN_ID.fullmatch(run_id):  # fullmatch: `$` lets a final newline through
         raise EngineError(f"run id {run_id!r} is not allowed: use letters, digits, '.', '_' or '-' (at most 128)")
     return run_id
 
