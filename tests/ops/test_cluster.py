@@ -112,20 +112,6 @@ def test_refused_local_root_on_a_cluster(cluster: Cluster, tiny_model_dir: Path,
     assert not root.exists()  # refused before anything was written
 
 
-def test_pipeline_spread_over_two_worker_nodes(cluster: Cluster, tiny_model_dir: Path, s3_server: Any,
-                                               reference: dict) -> None:
-    root = f"s3://{s3_server.bucket}/cluster"
-    proc = cluster.cli("train", *args(tiny_model_dir, root, "spread", "ray.placement=strict_spread",
-                                      "placement.cpus_per_rank=1", "trainer.keep_engine=true"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    try:
-        nodes = rank_nodes(cluster, "spread")
-        assert len(set(nodes)) == 2 and set(nodes) <= worker_node_ids(cluster), nodes  # one rank a worker node
-    finally:
-        cluster.cli("engine", "stop", "spread")
-    assert_same_weights(s3_weights(s3_server, "cluster", "spread"), reference)
-
-
 def _descendants(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
@@ -197,22 +183,29 @@ def test_lost_node_mid_update_waits_for_a_replacement(cluster: Cluster, tiny_mod
                                                       reference: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Rank 1 stops mid-update of iteration 2 (so the update is surely in flight); then its node is lost.
     The run restarts the engine, waits for capacity with a status line, and goes on once a replacement
-    node joins: bit-identical to the single-node run, every buffer written before the loss kept as it was."""
+    node joins: bit-identical to the single-node run, every buffer written before the loss kept as it was.
+    Its ranks spread over the two worker nodes (`ray.placement=strict_spread`, the head runs none): the
+    engine that finished the run, kept (`trainer.keep_engine=true`), has one rank on the replacement node
+    and one on the other (`rlflow engine list` asks each rank; mid-run, rank 0 waits for the stopped one)."""
     start = time.monotonic()
     root = f"s3://{s3_server.bucket}/cluster"
     run = Watched(cluster, *args(tiny_model_dir, root, "lost-node", "ray.placement=strict_spread",
                                  "placement.cpus_per_rank=1", "debug.stop_rank_mid_update=1", "debug.kill_iteration=2",
-                                 "trainer.stage_timeout_s=300", "trainer.capacity_timeout_s=300"))
+                                 "trainer.stage_timeout_s=300", "trainer.capacity_timeout_s=300",
+                                 "trainer.keep_engine=true"))
     try:
-        lost = node_of_the_stopped_rank(cluster, run)
+        lost = node_of_the_stopped_rank(cluster, run)  # a worker node (`cluster.nodes` are the joined ones)
         before = s3_buffer_times(s3_server, "cluster", "lost-node")
         lose(cluster, lost)
         run.wait_for("capacity line", lambda: "waiting for capacity: the lost-node/policy workers need 2 ranks of "
                                               "1 CPU each (STRICT_SPREAD): 1 of 2 ranks placeable" in run.output())
         cluster.join(tmp_path_factory.mktemp("replacement"))
         assert run.proc.wait(timeout=300) == 0, run.output()[-4000:]
+        kept = rank_nodes(cluster, "lost-node")  # kept after the run: one rank on each worker node alive now,
+        assert len(set(kept)) == 2 and set(kept) == worker_node_ids(cluster), kept  # the replacement and the other
     finally:
         run.close()
+        cluster.cli("engine", "stop", "lost-node")
     logs = run.output()
     assert "iteration 2: the engine failed (rank 1 " in logs, logs[-3000:]
     after = s3_buffer_times(s3_server, "cluster", "lost-node")
