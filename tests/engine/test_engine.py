@@ -49,6 +49,7 @@ def prompts(model_dir: Path, n: int = 4, repeat: int = 2) -> Batch:
 
 @pytest.fixture
 def engine(ray_address: str, tiny_model_dir: Path, request: pytest.FixtureRequest):
+    """A new engine for a test that changes it (an update, a load, a rank killed)."""
     eng = Engine.start(make_spec(tiny_model_dir, f"t-{request.node.name[:40].replace('[', '-').rstrip(']')}"))
     yield eng
     eng.stop()
@@ -80,14 +81,6 @@ def test_generate_logprob_update_and_weight_sync(engine: Engine, tiny_model_dir:
     assert not torch.allclose(new["old_logp"], ref["ref_logp"])
     with pytest.raises(VersionMismatchError, match="version 1, the call expected version 0"):
         engine.generate(prompts(tiny_model_dir), iteration=2, expected_version=0)
-
-
-def test_generation_is_reproducible_for_the_same_iteration(engine: Engine, tiny_model_dir: Path) -> None:
-    a = engine.generate(prompts(tiny_model_dir), iteration=3, expected_version=0)
-    b = engine.generate(prompts(tiny_model_dir), iteration=3, expected_version=0)
-    c = engine.generate(prompts(tiny_model_dir), iteration=4, expected_version=0)
-    assert torch.equal(a["responses"], b["responses"])
-    assert not torch.equal(a["responses"], c["responses"])
 
 
 def plain_update(model_dir: Path, batch: Batch, actor: ActorConfig, temperature: float) -> dict[str, torch.Tensor]:
@@ -174,26 +167,6 @@ def test_parameter_and_optimizer_bytes_per_rank_halve(ray_address: str, tiny_mod
         assert 0.45 <= two / one <= 0.55
 
 
-def test_generate_n_responses_per_prompt_with_eos_masks(engine: Engine, tiny_model_dir: Path) -> None:
-    tok = load_tokenizer(str(tiny_model_dir))
-    out = engine.generate(prompts(tiny_model_dir, n=3, repeat=4), iteration=1, expected_version=0)
-    assert out["responses"].shape[0] == 12
-    assert out["ground_truth"] == [g for g in out["ground_truth"][::4] for _ in range(4)]
-    eos = tok.eos_token_id
-    ended = 0
-    for resp, mask in zip(out["responses"].tolist(), out["response_mask"].tolist()):
-        n = sum(mask)
-        assert mask == [1] * n + [0] * (len(mask) - n)  # a prefix
-        if eos in resp:
-            ended += 1
-            first = resp.index(eos)
-            assert n == first + 1  # the eos itself counts, nothing after it
-            assert all(t == tok.pad_token_id for t in resp[first + 1:])
-        else:
-            assert n == len(resp)  # ran out of tokens: all of it counts
-    assert ended > 0  # the warm-started model does stop
-
-
 @pytest.mark.parametrize("backend", ["local", "s3"])
 def test_save_stop_load_gives_a_bit_identical_next_update(backend: str, ray_address: str, tiny_model_dir: Path,
                                                           tmp_path: Path, request: pytest.FixtureRequest) -> None:
@@ -254,16 +227,6 @@ def test_a_shard_only_one_rank_reads_is_reported_corrupt_by_every_rank(engine: E
         assert "__0_0.distcp is corrupt" in str(caught.value.cause), (rank, caught.value.cause)
 
 
-def test_export_loads_with_plain_transformers(engine: Engine, tmp_path: Path) -> None:
-    out = tmp_path / "export"
-    engine.export_hf(str(out))
-    model = AutoModelForCausalLM.from_pretrained(out)
-    tok = AutoTokenizer.from_pretrained(out)
-    ids = tok("1+2=", return_tensors="pt")
-    gen = model.generate(**ids, max_new_tokens=4, do_sample=False)
-    assert gen.shape[1] > ids["input_ids"].shape[1]
-
-
 def test_rank_errors_reach_the_caller(engine: Engine) -> None:
     with pytest.raises(EngineError, match=r"rank 1 failed in debug_fault: .*fault injected on rank 1"):
         engine.policy.call("debug_fault", "raise", 1)
@@ -271,28 +234,6 @@ def test_rank_errors_reach_the_caller(engine: Engine) -> None:
         engine.policy.call("debug_fault", "hang", 0, 5.0, timeout_s=2)
     with pytest.raises(EngineDeadError, match="rank 1 died"):
         engine.policy.call("debug_fault", "exit", 1)
-
-
-def test_another_process_attaches_by_name(engine: Engine, ray_address: str) -> None:
-    run_id = engine.spec.run_id
-    assert run_id in list_engines()
-    script = textwrap.dedent(f"""
-        import ray
-        from engine.workers.group import WorkerGroup
-        from engine.errors import EngineError
-        ray.init(address={ray_address!r}, namespace="rlflow", log_to_driver=False)
-        group = WorkerGroup.attach(run_id={run_id!r}, role="policy", config_hash={engine.spec.config_hash!r})
-        print("versions", [p["version"] for p in group.health()])
-        try:
-            WorkerGroup.attach(run_id={run_id!r}, role="policy", config_hash="other")
-        except EngineError as err:
-            print("refused:", err)
-    """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[2])
-    assert "versions [0, 0]" in proc.stdout, proc.stderr[-3000:]
-    assert "refused: the live policy workers of run" in proc.stdout
-    assert "rlflow engine stop" in proc.stdout
 
 
 def test_critic_values_and_update(ray_address: str, tiny_model_dir: Path) -> None:
@@ -470,3 +411,77 @@ def test_responses_of_1024_tokens_and_their_clip_ratio(ray_address: str, tmp_pat
         assert out["actor/grad_norm"] > 0 and out["actor/pg_loss"] == out["actor/pg_loss"]
     finally:
         eng.stop()
+
+
+# The tests that share one engine come last: it lives until the module ends.
+
+
+@pytest.fixture(scope="module")
+def unchanged_engine(ray_address: str, tiny_model_dir: Path):
+    """One engine for the tests that only read it (generate, export, attach). The generate and attach
+    tests expect version 0: a test that changed the engine would make them fail, not pass. These tests come
+    last in the file: the engine holds its ranks' CPUs until the module ends."""
+    eng = Engine.start(make_spec(tiny_model_dir, "t-unchanged"))
+    yield eng
+    eng.stop()
+
+
+def test_generation_is_reproducible_for_the_same_iteration(unchanged_engine: Engine, tiny_model_dir: Path) -> None:
+    a = unchanged_engine.generate(prompts(tiny_model_dir), iteration=3, expected_version=0)
+    b = unchanged_engine.generate(prompts(tiny_model_dir), iteration=3, expected_version=0)
+    c = unchanged_engine.generate(prompts(tiny_model_dir), iteration=4, expected_version=0)
+    assert torch.equal(a["responses"], b["responses"])
+    assert not torch.equal(a["responses"], c["responses"])
+
+
+def test_generate_n_responses_per_prompt_with_eos_masks(unchanged_engine: Engine, tiny_model_dir: Path) -> None:
+    tok = load_tokenizer(str(tiny_model_dir))
+    out = unchanged_engine.generate(prompts(tiny_model_dir, n=3, repeat=4), iteration=1, expected_version=0)
+    assert out["responses"].shape[0] == 12
+    assert out["ground_truth"] == [g for g in out["ground_truth"][::4] for _ in range(4)]
+    eos = tok.eos_token_id
+    ended = 0
+    for resp, mask in zip(out["responses"].tolist(), out["response_mask"].tolist()):
+        n = sum(mask)
+        assert mask == [1] * n + [0] * (len(mask) - n)  # a prefix
+        if eos in resp:
+            ended += 1
+            first = resp.index(eos)
+            assert n == first + 1  # the eos itself counts, nothing after it
+            assert all(t == tok.pad_token_id for t in resp[first + 1:])
+        else:
+            assert n == len(resp)  # ran out of tokens: all of it counts
+    assert ended > 0  # the warm-started model does stop
+
+
+def test_export_loads_with_plain_transformers(unchanged_engine: Engine, tmp_path: Path) -> None:
+    out = tmp_path / "export"
+    unchanged_engine.export_hf(str(out))
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = tok("1+2=", return_tensors="pt")
+    gen = model.generate(**ids, max_new_tokens=4, do_sample=False)
+    assert gen.shape[1] > ids["input_ids"].shape[1]
+
+
+def test_another_process_attaches_by_name(unchanged_engine: Engine, ray_address: str) -> None:
+    run_id = unchanged_engine.spec.run_id
+    assert run_id in list_engines()
+    script = textwrap.dedent(f"""
+        import ray
+        from engine.workers.group import WorkerGroup
+        from engine.errors import EngineError
+        ray.init(address={ray_address!r}, namespace="rlflow", log_to_driver=False)
+        group = WorkerGroup.attach(run_id={run_id!r}, role="policy",
+                                   config_hash={unchanged_engine.spec.config_hash!r})
+        print("versions", [p["version"] for p in group.health()])
+        try:
+            WorkerGroup.attach(run_id={run_id!r}, role="policy", config_hash="other")
+        except EngineError as err:
+            print("refused:", err)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert "versions [0, 0]" in proc.stdout, proc.stderr[-3000:]
+    assert "refused: the live policy workers of run" in proc.stdout
+    assert "rlflow engine stop" in proc.stdout
