@@ -31,7 +31,8 @@ Why it is built this way (measured on the 2-core dev machine with Prefect 3.9 an
 - No log monitor (`--include-log-monitor=false`): every rlflow driver connects with log_to_driver=False,
   and workers' output stays in the session's log files. Ray's monitor polls those files ten times a
   second to publish their new lines to the drivers. In the test suite the log monitors used 7 % of all
-  CPU time (237 of 3,470 CPU seconds; a per-process sample of a whole run, 2026-12-02).
+  CPU time (237 of 3,470 CPU seconds sampled per process over the last 31 minutes of a whole run,
+  2026-12-02; docs/testing.md).
 - Ray's temp dir is /tmp/rlflow-ray-<hash of the state folder>: its socket paths must fit in 107 bytes.
 - Loopback only: on Linux Ray replaces `--node-ip-address=127.0.0.1` by the host's address, and its
   gRPC servers (GCS, raylet) then listen on all interfaces and its agents on the host's address.
