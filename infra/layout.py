@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from engine.config import RUN_ID
 from infra.errors import StoreError
 
 RUN_JSON = "run.json"
@@ -16,7 +17,6 @@ MANIFEST = "MANIFEST.json"
 LATEST = "LATEST"
 TRAINER_JSON = "trainer.json"
 
-_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _ITER = re.compile(r"^iter_(\d{6,})$")
 _STEP = re.compile(r"^step_(\d{6,})$")
 _METRICS_FILE = re.compile(r"^iter_(\d{6,})\.json$")
@@ -24,7 +24,7 @@ _BUFFER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 
 def check_run_id(run_id: str) -> str:
-    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):  # fullmatch: `$` lets a final newline through
+    if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):
         raise StoreError(f"run id {run_id!r} must be 1-128 letters, digits, '.', '_' or '-' "
                          "and start with a letter or digit")
     return run_id

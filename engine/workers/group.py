@@ -10,7 +10,6 @@ outlive the process that created them (a flow run) and live until `stop()` or th
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,11 +21,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine.batch import Batch
+from engine.config import RUN_ID
 from engine.errors import EngineDeadError, EngineError, EngineHungError
 
 NAMESPACE = "rlflow"
 Dispatch = Literal["one_to_all", "dp", "rank0"]
-_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def actor_name(run_id: str, role: str, rank: int) -> str:
@@ -34,7 +33,7 @@ def actor_name(run_id: str, role: str, rank: int) -> str:
 
 
 def check_run_id(run_id: str) -> str:
-    if not _RUN_ID.fullmatch(run_id):  # fullmatch: `$` lets a final newline through
+    if not RUN_ID.fullmatch(run_id):
         raise EngineError(f"run id {run_id!r} is not allowed: use letters, digits, '.', '_' or '-' (at most 128)")
     return run_id
 
