@@ -33,6 +33,11 @@ Why it is built this way (measured on the 2-core dev machine with Prefect 3.9 an
   second to publish their new lines to the drivers. In the test suite the log monitors used 7 % of all
   CPU time (237 of 3,470 CPU seconds sampled per process over the last 31 minutes of a whole run,
   2026-12-02; docs/testing.md).
+- No prestarted workers (RAY_prestart_worker_first_driver=0, read by the raylet): Ray starts one idle
+  worker per CPU for the first driver that joins a node, and only that driver's job can use them. Here
+  the first driver is whichever command came first (often `rlflow status`, a check or an engine command
+  that runs no task), and every run is a driver of its own: in the test suite 76 such workers started
+  and never ran anything (158 CPU seconds). Workers start when a task or an actor needs one.
 - Ray's temp dir is /tmp/rlflow-ray-<hash of the state folder>: its socket paths must fit in 107 bytes.
 - Loopback only: on Linux Ray replaces `--node-ip-address=127.0.0.1` by the host's address, and its
   gRPC servers (GCS, raylet) then listen on all interfaces and its agents on the host's address.
@@ -100,6 +105,7 @@ _RAY_DROP = (
 )
 # Ray's single-machine mode: the node IP stays 127.0.0.1 and nothing listens beyond loopback (see above).
 _RAY_LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+_RAY_NO_PRESTART = {"RAY_prestart_worker_first_driver": "0"}  # see the module docstring
 
 _SPAWNED: dict[int, subprocess.Popen[bytes]] = {}  # children of this process, polled so they are reaped
 
@@ -383,7 +389,7 @@ class LocalStack:
         auth = self.config.ray_auth
         env = _env_without(_RAY_DROP)
         env.update(RAY_AUTH_MODE=auth, RAY_USAGE_STATS_ENABLED="0", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
-                   DO_NOT_TRACK="1", **_RAY_LOOPBACK)  # fmt: skip
+                   DO_NOT_TRACK="1", **_RAY_LOOPBACK, **_RAY_NO_PRESTART)  # fmt: skip
         if auth == "token":
             env["RAY_AUTH_TOKEN_PATH"] = str(_ensure_token(token_path(self.home)))
         cmd = [
@@ -403,7 +409,7 @@ class LocalStack:
         env = _env_without(_RAY_DROP)
         token = self.config.join_token_file or os.environ.get("RAY_AUTH_TOKEN_PATH")
         env.update(RAY_AUTH_MODE="token" if token else "disabled", RAY_USAGE_STATS_ENABLED="0", DO_NOT_TRACK="1",
-                   RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0", **_RAY_LOOPBACK)  # fmt: skip
+                   RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0", **_RAY_LOOPBACK, **_RAY_NO_PRESTART)  # fmt: skip
         if token:
             env["RAY_AUTH_TOKEN_PATH"] = str(Path(token).expanduser().resolve())
         cmd = [sys.executable, "-m", "infra.node", "--address", address, "--num-cpus", str(self.num_cpus),

@@ -128,7 +128,9 @@ def ray_head(num_cpus: int = 4, stage_slots: int = 4) -> Iterator[str]:
     port = free_port()
     temp = tempfile.mkdtemp(prefix="rlr", dir="/tmp")
     # Explicit: with ~/.ray/auth_token present, `ray start` would turn token auth on by itself.
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+    # No idle workers prestarted for the first driver (infra/stack.py says why).
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
+           "RAY_prestart_worker_first_driver": "0"}
     cmd = [_ray_bin(), "start", "--head", "--block", f"--port={port}", f"--num-cpus={num_cpus}",
            "--include-dashboard=false", f"--temp-dir={temp}", f'--resources={{"rlflow_stage": {stage_slots}}}',
            "--disable-usage-stats", "--include-log-monitor=false"]  # drivers here use log_to_driver=False

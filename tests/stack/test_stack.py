@@ -199,6 +199,10 @@ def test_ray_command_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert token.parent == tmp_path / "stack" and oct(token.stat().st_mode & 0o777) == "0o600"
     assert len(token.read_text()) == 64
     assert "--num-cpus=3" in cmd and f'--resources={{"{STAGE_RESOURCE}": 2}}' in cmd
+    # No log monitor and no idle workers prestarted for the first driver (infra/stack.py), on the head
+    # and on a node that joins it (infra.node passes its environment to the raylet).
+    assert "--include-log-monitor=false" in cmd and env["RAY_prestart_worker_first_driver"] == "0"
+    assert stack._node_command("127.0.0.1:6379")[1]["RAY_prestart_worker_first_driver"] == "0"
     _, env = LocalStack(StackConfig(home=str(tmp_path), ray_auth="disabled"))._ray_command(6379)
     assert env["RAY_AUTH_MODE"] == "disabled" and "RAY_AUTH_TOKEN_PATH" not in env
 
