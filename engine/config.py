@@ -9,16 +9,11 @@ from __future__ import annotations
 
 import ast
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
-# A run id names a folder in storage and the run's Ray actors: infra.layout and engine.workers.group check
-# it with RUN_ID.fullmatch (not match: `$` lets a final newline through).
-RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 # A folder: every process appends the config fields it reads (tests/pipeline: every field is read).
 _READS_DIR = os.environ.get("RLFLOW_CONFIG_READS")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 
-from engine.config import RUN_ID
 from infra.errors import StoreError
 
 RUN_JSON = "run.json"
@@ -17,6 +16,9 @@ MANIFEST = "MANIFEST.json"
 LATEST = "LATEST"
 TRAINER_JSON = "trainer.json"
 
+# A run id names the run's folder (and, in the engine, its Ray actors: engine.workers.group.RUN_ID, held
+# equal by tests/test_layers.py). fullmatch: `$` lets a final newline through.
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _ITER = re.compile(r"^iter_(\d{6,})$")
 _STEP = re.compile(r"^step_(\d{6,})$")
 _METRICS_FILE = re.compile(r"^iter_(\d{6,})\.json$")

@@ -10,6 +10,7 @@ outlive the process that created them (a flow run) and live until `stop()` or th
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,11 +22,15 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine.batch import Batch
-from engine.config import RUN_ID
 from engine.errors import EngineDeadError, EngineError, EngineHungError
 
 NAMESPACE = "rlflow"
 Dispatch = Literal["one_to_all", "dp", "rank0"]
+# What may name a run's actors (`<run_id>/<role>/<rank>`): no '/', so a name splits back into its parts.
+# Storage's rule for a run's folder (infra.layout.RUN_ID) is the same; tests/test_layers.py holds them
+# equal, since infra may import nothing of the engine but engine.batch. fullmatch: `$` lets a final
+# newline through.
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def actor_name(run_id: str, role: str, rank: int) -> str:

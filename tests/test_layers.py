@@ -1,0 +1,70 @@
+"""The layers import in one direction (README "Layout"): flows/ may import everything; tasks/ imports
+the engine and infra, never flows/; engine/ never imports Prefect, tasks/ or flows/; infra/ imports
+nothing of the engine but engine.batch (the records it stores). Every import statement counts, at
+any depth in a file (a function-level import crosses a layer as much as a top-level one)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def imports_of(package: str) -> list[tuple[str, str]]:
+    """(file relative to the repository, imported module) for every absolute import in `package`."""
+    found = []
+    for path in sorted((REPO / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found += [(str(path.relative_to(REPO)), alias.name) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.append((str(path.relative_to(REPO)), node.module))
+    return found
+
+
+def top(module: str) -> str:
+    return module.split(".")[0]
+
+
+def test_engine_never_imports_prefect_tasks_or_flows() -> None:
+    found = imports_of("engine")
+    assert len(found) > 100  # the walk saw the engine's files
+    assert [(f, m) for f, m in found if top(m) in {"prefect", "prefect_ray", "tasks", "flows"}] == []
+
+
+def test_infra_imports_only_engine_batch_of_the_engine() -> None:
+    found = imports_of("infra")
+    assert ("infra/buffers.py", "engine.batch") in found
+    assert [(f, m) for f, m in found if top(m) in {"tasks", "flows"}
+            or (top(m) == "engine" and m != "engine.batch")] == []
+
+
+def test_tasks_never_import_flows() -> None:
+    assert [(f, m) for f, m in imports_of("tasks") if top(m) == "flows"] == []
+
+
+@pytest.mark.parametrize("run_id", ["a", "run-1", "A.b_c-9", "x" * 128, "", "-a", ".a", "a/b", "a\n", "x" * 129,
+                                    "a b", "é", "../etc"])
+def test_storage_and_the_engine_accept_the_same_run_ids(run_id: str) -> None:
+    """infra.layout and engine.workers.group each keep the run-id rule (infra may not import the
+    engine's config): a run that storage accepts can always name its actors, and the other way round."""
+    from engine.errors import EngineError
+    from engine.workers import group
+    from infra import layout
+    from infra.errors import StoreError
+
+    assert layout.RUN_ID.pattern == group.RUN_ID.pattern
+
+    def accepted(check, error: type[Exception]) -> bool:  # noqa: ANN001
+        try:
+            check(run_id)
+        except error:
+            return False
+        return True
+
+    by_storage = accepted(layout.check_run_id, StoreError)
+    assert by_storage == accepted(group.check_run_id, EngineError)
+    assert by_storage == (run_id in {"a", "run-1", "A.b_c-9", "x" * 128})
