@@ -9,9 +9,12 @@ another's code or result (no memory, descriptor or /proc path reaches them: the 
 dumpable, and this process sends a job only after the last result). Limits per job: `RLIMIT_AS` at
 `memory_mb` (an allocation beyond it is a MemoryError: "memory"), CPU seconds, a file size cap, a result
 read up to RESULT_CAP bytes, and `timeout_s` of wall clock from the moment the job is sent ("timeout":
-the child is killed and a new one takes the jobs after it). The number of processes a job starts is not
-limited (RLIMIT_NPROC is not set: the kernel exempts root's processes from it, and outside a user
-namespace it counts every process of the user): the timeout and the namespace's end bound them. Measured per job: bench/sandbox_overhead.py (BENCHMARKS.md).
+the child is killed and a new one takes the jobs after it). The child's processes, everything its jobs
+start included, are capped at PROCESS_CAP by a pids cgroup of its own (a fork bomb's fork fails with
+EAGAIN): RLIMIT_NPROC cannot do it (the kernel exempts root's processes from it, and for another user it
+counts every process of that user). Where this process may make no pids cgroup (cgroup v1's `pids`
+hierarchy or a delegated v2 one), one warning line says the count is not capped; the timeout and the
+namespace's end still bound it. Measured per job: bench/sandbox_overhead.py (BENCHMARKS.md).
 
 Who is to blame decides what happens (see engine.rewards.python_expr for how scores follow):
   * anything a job does once the child is ready (raise, loop forever, exhaust memory, crash its process,
@@ -25,6 +28,8 @@ the limits above apply. The escapes it allows are tests/rewards/test_sandbox_esc
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import logging
 import os
@@ -36,7 +41,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -151,6 +156,8 @@ for request in sys.stdin.buffer:
 # What a job may hold and write: its result (read up to this), files (RLIMIT_FSIZE), CPU seconds.
 RESULT_CAP = 1 << 20
 FILE_CAP = 16 << 20
+# Processes of one child at once, bubblewrap's included: the runner, the zygote and a worker are 3.
+PROCESS_CAP = 32
 
 @dataclass(frozen=True)
 class SandboxJob:
@@ -186,10 +193,11 @@ def run_sandboxed(jobs: Sequence[SandboxJob], limits: SandboxLimits, readable: S
 def _run_child(jobs: Sequence[SandboxJob], limits: SandboxLimits, readable: Sequence[str] = ()
                ) -> list[SandboxResult]:
     """Run jobs in one child until they are done or one kills it; at least one result comes back."""
-    with tempfile.TemporaryDirectory(prefix="rlflow-sandbox-") as cwd, tempfile.TemporaryFile() as stderr:
+    with tempfile.TemporaryDirectory(prefix="rlflow-sandbox-") as cwd, tempfile.TemporaryFile() as stderr, \
+            process_cap(PROCESS_CAP) as enter:
         try:
             proc = subprocess.Popen(
-                child_command(limits, readable),
+                [*enter, *child_command(limits, readable)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=stderr,
@@ -211,7 +219,75 @@ def _run_child(jobs: Sequence[SandboxJob], limits: SandboxLimits, readable: Sequ
 
 
 BWRAP = "bwrap"
-_warned: list[bool] = []
+_warned: set[str] = set()  # the one-line warnings given in this process (tools run in threads: under a lock)
+_warned_lock = threading.Lock()
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+_cgroups = itertools.count()
+
+
+def _warn_once(message: str) -> None:
+    with _warned_lock:
+        if message in _warned:
+            return
+        _warned.add(message)
+    log.warning(message)
+
+
+@contextlib.contextmanager
+def process_cap(limit: int) -> Iterator[list[str]]:
+    """A pids cgroup of its own capped at `limit` processes, for one child: yields the command prefix that
+    enters it before exec'ing the child (`sh -c`, so nothing runs between fork and exec in this process,
+    which has threads); removed when the block ends. Where no pids cgroup can be made here, the prefix is
+    empty and one warning line says so."""
+    group = _make_pids_cgroup(limit)
+    if group is None:
+        _warn_once("the sandbox cannot cap how many processes a job starts here (no writable pids cgroup): only its "
+                   "timeout bounds a fork bomb")
+        yield []
+        return
+    try:
+        yield ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(group / "cgroup.procs")]
+    finally:
+        for _ in range(50):  # the child's processes are killed already; the kernel lets go of them at once
+            try:
+                group.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.02)
+
+
+def _make_pids_cgroup(limit: int) -> Path | None:
+    """A new cgroup under this process's own in the pids hierarchy (v1), or in the unified one (v2) where
+    the pids controller is delegated to it, with pids.max = `limit`; None where that cannot be done."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    bases = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "pids" in controllers.split(","):
+            bases.append(_CGROUP_ROOT / "pids" / path.lstrip("/"))
+        elif controllers == "" and (_CGROUP_ROOT / "cgroup.controllers").exists():  # a v2-only machine
+            bases.append(_CGROUP_ROOT / path.lstrip("/"))
+    for base in bases:
+        group = base / f"rlflow-sandbox-{os.getpid()}-{next(_cgroups)}"
+        try:
+            group.mkdir()
+        except OSError:
+            continue
+        try:
+            if (group / "pids.max").exists():  # made by the kernel: a cgroup, not a plain folder
+                with open(group / "pids.max", "w") as handle:
+                    handle.write(f"{limit}\n")
+                return group
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            group.rmdir()
+    return None
 
 
 def bwrap_available() -> bool:
@@ -227,10 +303,8 @@ def child_command(limits: SandboxLimits, readable: Sequence[str] = ()) -> list[s
     child = [sys.executable, "-I", "-c", _CHILD, str(limits.memory_mb * 2**20), str(RESULT_CAP), str(FILE_CAP),
              str(cpu_s)]
     if limits.isolation == "none":
-        if not _warned:
-            _warned.append(True)
-            log.warning("reward.sandbox.isolation=none: code the model writes or calls runs as this user, "
-                        "unconfined (only timeouts and memory caps apply)")
+        _warn_once("reward.sandbox.isolation=none: code the model writes or calls runs as this user, unconfined "
+                   "(only its timeout and its memory and process caps apply)")
         return child
     if not bwrap_available():
         raise RewardError("code a model writes runs only in bubblewrap, and bwrap is not installed: install it "

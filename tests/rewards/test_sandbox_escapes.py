@@ -210,6 +210,49 @@ def test_a_result_is_read_up_to_its_cap() -> None:
 
 
 
+_FORK_BOMB = """
+import os, time
+forked, error = 0, None
+for _ in range(200):  # bounded: without a cap all 200 start (each sleeps a second and exits)
+    try:
+        pid = os.fork()
+    except OSError as err:
+        error = type(err).__name__
+        break
+    if pid == 0:
+        time.sleep(1)
+        os._exit(0)
+    forked += 1
+result = {"forked": forked, "error": error}
+"""
+
+
+def test_a_fork_bomb_meets_the_process_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On main a job started as many processes as it liked (RLIMIT_NPROC does not bind root) until its
+    timeout: the child's pids cgroup stops it at PROCESS_CAP, the next job of the batch runs, and the cgroup
+    is gone afterwards. With no cgroup (the cap taken away) the same job starts all 200."""
+    from engine.rewards import sandbox
+
+    probe = sandbox._make_pids_cgroup(1)
+    if probe is not None:
+        probe.rmdir()
+    else:
+        message = "no writable pids cgroup here: the sandbox's process cap cannot be tested"
+        if os.environ.get("RLFLOW_SANDBOX_TESTS") == "required":
+            pytest.fail(message)
+        pytest.skip(message)
+    mine = f"**/rlflow-sandbox-{os.getpid()}-*"  # this process's: another test process may run jobs now
+    bomb, after = run_sandboxed([SandboxJob(_FORK_BOMB, mode="exec", builtins=True), SandboxJob("1 + 1")], LIMITS)
+    assert bomb.status == "ok" and bomb.value["error"] == "BlockingIOError", bomb  # type: ignore[index]
+    # the runner, the zygote, the worker and bubblewrap's own process hold 4 of the cap
+    assert sandbox.PROCESS_CAP - 8 <= bomb.value["forked"] <= sandbox.PROCESS_CAP - 4, bomb  # type: ignore[index]
+    assert (after.status, after.value) == ("ok", 2)
+    assert list(Path("/sys/fs/cgroup/pids").glob(mine)) == []  # removed
+    monkeypatch.setattr(sandbox, "_make_pids_cgroup", lambda limit: None)
+    (uncapped,) = run_sandboxed([SandboxJob(_FORK_BOMB, mode="exec", builtins=True)], LIMITS)
+    assert uncapped.value == {"forked": 200, "error": None}, uncapped  # what main did
+
+
 def test_where_bwrap_is_missing_only_pure_tools_run_unless_isolation_is_none(monkeypatch: pytest.MonkeyPatch,
                                                                              caplog: pytest.LogCaptureFixture) -> None:
     from engine.errors import RewardError
@@ -231,8 +274,8 @@ def test_where_bwrap_is_missing_only_pure_tools_run_unless_isolation_is_none(mon
         assert call_tools(calls, tools, unconfined, 200) == ["cba", "42"]
         assert run_sandboxed([SandboxJob("1 + 1")], unconfined)[0].value == 2
     assert [r.message for r in caplog.records] == [
-        "reward.sandbox.isolation=none: code the model writes or calls runs as this user, unconfined (only "
-        "timeouts and memory caps apply)"]  # one line
+        "reward.sandbox.isolation=none: code the model writes or calls runs as this user, unconfined (only its "
+        "timeout and its memory and process caps apply)"]  # one line
 
 
 def test_the_isolation_setting_reaches_the_sandbox() -> None:
