@@ -12,6 +12,7 @@ State folder (`$RLFLOW_HOME`, default ~/.rlflow):
     stack/prefect.log   stack/ray.log        their output
     stack/lock                               serialises up/down of concurrent commands
     stack/ray_auth_token                     the Ray head's token (mode 0600)
+    stack/prefect_auth                       the Prefect API's auth string (mode 0600; the UI asks for it)
     prefect/                                 the Prefect server's PREFECT_HOME and its SQLite database
 
 Why it is built this way (measured on the 2-core dev machine with Prefect 3.9 and Ray 2.60):
@@ -39,6 +40,13 @@ Why it is built this way (measured on the 2-core dev machine with Prefect 3.9 an
   that runs no task), and every run is a driver of its own: in the test suite 76 such workers started
   and never ran anything (158 CPU seconds). Workers start when a task or an actor needs one.
 - Ray's temp dir is /tmp/rlflow-ray-<hash of the state folder>: its socket paths must fit in 107 bytes.
+- The Prefect API requires a credential: Prefect's API auth string (PREFECT_SERVER_API_AUTH_STRING), random,
+  kept in stack/prefect_auth; every request but /api/health and /api/ready needs it (HTTP Basic, and the
+  first message of a websocket). It reaches the flow process through its environment (connect_env) and the
+  Ray workers inside the settings Prefect ships with every task, never through Ray's runtime environment
+  (Ray logs that). State changes also need a CSRF token (Prefect's clients and UI fetch one), and CORS
+  grants only the stack's own UI origin. On a shared machine any local user could otherwise drive the
+  API: create a run of a deployment with overrides that name code.
 - Loopback only: on Linux Ray replaces `--node-ip-address=127.0.0.1` by the host's address, and its
   gRPC servers (GCS, raylet) then listen on all interfaces and its agents on the host's address.
   RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 selects Ray's single-machine mode (its default on macOS and
@@ -92,6 +100,10 @@ _LOG_ROTATE_BYTES = 16 * 2**20
 _PREFECT_DROP = (
     "PREFECT_API_URL",
     "PREFECT_API_KEY",
+    "PREFECT_API_AUTH_STRING",
+    "PREFECT_SERVER_API_AUTH_STRING",
+    "PREFECT_SERVER_CSRF_",
+    "PREFECT_SERVER_CORS_",
     "PREFECT_PROFILE",
     "PREFECT_SERVER_DATABASE_",
     "PREFECT_API_DATABASE_",
@@ -121,6 +133,8 @@ class StackInfo:
     ray_auth: Literal["token", "disabled"] | None = None
     ray_token_path: str | None = None
     ray_loopback: bool = False  # our head in Ray's single-machine mode: clients must use it too
+    # Our Prefect server's auth string file (None: an external API, or a server started without one).
+    prefect_auth_path: str | None = None
 
 
 @dataclass(frozen=True)
@@ -139,7 +153,8 @@ class ProcessRecord:
     stage_slots: int | None = None
     loopback: bool = False  # started with _RAY_LOOPBACK (heads recorded before it listen beyond)
     join: str | None = None  # node only: the head it joined
-    token_file: str | None = None  # node only: the head's token it joined with
+    # node: the head's token it joined with; prefect (auth "token"): the file of the API's auth string
+    token_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -168,7 +183,8 @@ class StackStatus:
         if not self.running:
             raise InfraError(f"the local stack is not running (prefect: {self.prefect.state}, ray: "
                              f"{self.ray.state}); start it with `rlflow up`")  # fmt: skip
-        return _stack_info(prefect_api_url(_record(self, "prefect").port), _record(self, "ray"), self.home)
+        prefect = _record(self, "prefect")
+        return _stack_info(prefect_api_url(prefect.port), _record(self, "ray"), self.home, prefect)
 
     @property
     def ray_running(self) -> bool:
@@ -200,6 +216,23 @@ def resolve_home(home: str | Path | None = None) -> Path:
 
 def token_path(home: Path) -> Path:
     return home / "stack" / "ray_auth_token"
+
+
+def prefect_auth_path(home: Path) -> Path:
+    return home / "stack" / "prefect_auth"
+
+
+def read_prefect_auth(path: str | Path) -> str:
+    """The Prefect API's auth string, from its file (mode 0600)."""
+    try:
+        value = Path(path).read_text().strip()
+    except OSError as err:
+        raise InfraError(f"cannot read the Prefect API's auth string {path}: {err.strerror}; `rlflow down` and "
+                         "`rlflow up` make a new one") from None
+    if not value:
+        raise InfraError(f"the Prefect API's auth string file {path} is empty; remove it, `rlflow down` and "
+                         "`rlflow up` again")
+    return value
 
 
 def ray_temp_dir(home: Path) -> Path:
@@ -304,6 +337,8 @@ class LocalStack:
         if name == "node":
             return f" (joined {record.join}: `rlflow down` first to change)" if record.join != self.config.join else ""
         wanted = {"port": self.config.prefect_port if name == "prefect" else self.config.ray_port}
+        if name == "prefect" and record.auth != "token":
+            return " (its API has no auth string: `rlflow down` first to lock it)"
         if name == "ray":
             wanted.update(num_cpus=self.num_cpus, stage_slots=self.stage_slots)
         differ = [f"{key} {getattr(record, key)}, not {value}" for key, value in wanted.items()
@@ -356,6 +391,8 @@ class LocalStack:
         _SPAWNED[proc.pid] = proc
         record = ProcessRecord(pid=proc.pid, start_ticks=_start_ticks(proc.pid), port=port, log=str(log),
                                log_offset=offset, started_at=time.time())  # fmt: skip
+        if name == "prefect":
+            record = replace(record, auth="token", token_file=str(prefect_auth_path(self.home)))
         if name == "ray":
             record = replace(record, temp_dir=str(ray_temp_dir(self.home)), auth=self.config.ray_auth,
                              num_cpus=self.num_cpus, stage_slots=self.stage_slots, loopback=True)  # fmt: skip
@@ -379,6 +416,12 @@ class LocalStack:
             # The UI's own API address: `--port` does not reach it, and it would default to port 4200
             # (whatever server runs there) for a stack on another port.
             PREFECT_SERVER_UI_API_URL=prefect_api_url(port),
+            # Locked (module docstring): a credential for every request, a CSRF token for every state
+            # change, and CORS for the stack's own UI only.
+            PREFECT_SERVER_API_AUTH_STRING=read_prefect_auth(_ensure_token(prefect_auth_path(self.home),
+                                                                           "the Prefect API's auth string")),
+            PREFECT_SERVER_CSRF_PROTECTION_ENABLED="true",
+            PREFECT_SERVER_CORS_ALLOWED_ORIGINS=f"http://{HOST}:{port}",
             DO_NOT_TRACK="1",
         )
         cmd = [_executable("prefect"), "server", "start", "--host", HOST, "--port", str(port)]
@@ -499,13 +542,13 @@ def ensure_stack(config: StackConfig | None = None, ray: RayConfig | None = None
     wanted = tuple(name for name in SERVICES if not external[name])
     slots = ray.max_concurrent_stages if ray else None
     status = LocalStack(config, stage_slots=slots).up(wanted) if wanted else None
+    prefect = None if config.prefect_api_url else _record(status, "prefect")
     api_url = config.prefect_api_url or prefect_api_url(_record(status, "prefect").port)
     if ray_address:
-        return StackInfo(
-            prefect_api_url=api_url, ray_address=ray_address, ui_url=api_url.removesuffix("/api")
-        )
+        return StackInfo(prefect_api_url=api_url, ray_address=ray_address, ui_url=api_url.removesuffix("/api"),
+                         prefect_auth_path=_auth_file(prefect))  # fmt: skip
     assert status is not None
-    return _stack_info(api_url, _record(status, "ray"), status.home)
+    return _stack_info(api_url, _record(status, "ray"), status.home, prefect)
 
 
 def _record(status: StackStatus | None, name: ServiceName) -> ProcessRecord:
@@ -515,7 +558,16 @@ def _record(status: StackStatus | None, name: ServiceName) -> ProcessRecord:
     return record
 
 
-def _stack_info(api_url: str, ray_record: ProcessRecord, home: Path) -> StackInfo:
+def ui_login(info: StackInfo) -> str:
+    """What the UI's login page asks for, said where the UI's address is printed (never the string itself)."""
+    return f" (its password: the content of {info.prefect_auth_path})" if info.prefect_auth_path else ""
+
+
+def _auth_file(prefect: ProcessRecord | None) -> str | None:
+    return prefect.token_file if prefect is not None and prefect.auth == "token" else None
+
+
+def _stack_info(api_url: str, ray_record: ProcessRecord, home: Path, prefect: ProcessRecord | None) -> StackInfo:
     return StackInfo(
         prefect_api_url=api_url,
         ray_address=f"{HOST}:{ray_record.port}",
@@ -523,6 +575,7 @@ def _stack_info(api_url: str, ray_record: ProcessRecord, home: Path) -> StackInf
         ray_auth=ray_record.auth,
         ray_token_path=str(token_path(home)) if ray_record.auth == "token" else None,
         ray_loopback=ray_record.loopback,
+        prefect_auth_path=_auth_file(prefect),
     )
 
 
@@ -565,9 +618,12 @@ def connect_env(info: StackInfo) -> dict[str, str]:
     """The environment a flow process (or a shell) needs to use the stack.
 
     Also unset RAY_AUTH_TOKEN when `info.ray_auth` is set: it outranks RAY_AUTH_TOKEN_PATH.
-    `apply_connect_env` does both for the current process.
+    `apply_connect_env` does both for the current process. The Prefect API's auth string is read from its
+    file into PREFECT_API_AUTH_STRING: the environment is this user's alone (unlike a command line).
     """
     env = {"PREFECT_API_URL": info.prefect_api_url, "RAY_ADDRESS": info.ray_address, "DO_NOT_TRACK": "1"}
+    if info.prefect_auth_path:
+        env["PREFECT_API_AUTH_STRING"] = read_prefect_auth(info.prefect_auth_path)
     if info.ray_loopback:  # else a driver turns 127.0.0.1 into the host's address and finds no GCS there
         env.update(_RAY_LOOPBACK)
     if info.ray_auth is not None:
@@ -761,16 +817,15 @@ def _executable(name: str) -> str:
     return found
 
 
-def _ensure_token(path: Path) -> Path:
-    """rlflow's own Ray token (never ~/.ray/auth_token: that file switches other Ray heads to token auth)."""
+def _ensure_token(path: Path, what: str = "the Ray token") -> Path:
+    """A random secret of 256 bits in a 0600 file, made once per state folder: rlflow's own Ray token
+    (never ~/.ray/auth_token: that file switches other Ray heads to token auth), the Prefect API's auth string."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         if not path.read_text().strip():
-            raise InfraError(
-                f"the Ray token file {path} is empty; remove it and run `rlflow up` again"
-            ) from None
+            raise InfraError(f"{what} file {path} is empty; remove it and run `rlflow up` again") from None
         return path
     with os.fdopen(fd, "w") as handle:
         handle.write(secrets.token_hex(32))  # as `ray get-auth-token --generate`: 256 bits

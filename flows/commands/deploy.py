@@ -78,7 +78,7 @@ def _absolute_root(overrides: list[str], root: str) -> list[str]:
 def _serve(args: argparse.Namespace) -> int:
     from flows.deploy import serve_deployments
     from infra.config import StackConfig
-    from infra.stack import apply_connect_env, ensure_stack
+    from infra.stack import apply_connect_env, ensure_stack, ui_login
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from flows.liveness import enable_heartbeats, ensure_crash_automation
@@ -87,6 +87,6 @@ def _serve(args: argparse.Namespace) -> int:
     enable_heartbeats()  # the runs (subprocesses) inherit it, with the stack's address and the Ray token path
     apply_connect_env(info)
     ensure_crash_automation()
-    print(f"rlflow: Prefect UI {info.ui_url}  |  Ray {info.ray_address}", flush=True)
+    print(f"rlflow: Prefect UI {info.ui_url}{ui_login(info)}  |  Ray {info.ray_address}", flush=True)
     serve_deployments(args.names or None, limit=args.limit)
     return 0

@@ -65,8 +65,12 @@ def _down(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     status = LocalStack().status()
     if args.env:
-        for key, value in connect_env(status.info()).items():
-            print(f"export {key}={shlex.quote(value)}")
+        info = status.info()
+        for key, value in connect_env(info).items():
+            if key == "PREFECT_API_AUTH_STRING" and info.prefect_auth_path:  # the shell reads it: never printed
+                print(f'export {key}="$(cat {shlex.quote(info.prefect_auth_path)})"')
+            else:
+                print(f"export {key}={shlex.quote(value)}")
         return 0
     print(f"state folder {status.home}")
     _print(status)
@@ -111,6 +115,9 @@ def _line(service: ServiceStatus) -> str:
     record = service.record
     if service.name in ("ray", "node") and record is not None:
         parts.append(f"{record.num_cpus} CPUs, {record.stage_slots} stage slots, auth {record.auth}")
+    if service.name == "prefect" and record is not None:  # where to find the UI's password, never the password
+        parts.append(f"auth string in {record.token_file} (the UI asks for it)" if record.auth == "token"
+                     else "no auth string (`rlflow down` and `rlflow up` to lock the API)")
     parts.append(service.detail)
     parts.append(f"log {service.log}")
     return "  ".join(parts)

@@ -74,13 +74,13 @@ def run_train(cfg: Any, *, config_path: str | None, overrides: list[str], resume
     """Start what is missing of the stack, connect, run the train flow with a progress display."""
     from flows.liveness import enable_heartbeats, ensure_crash_automation
     from infra.config import StackConfig
-    from infra.stack import apply_connect_env, ensure_stack
+    from infra.stack import apply_connect_env, ensure_stack, ui_login
 
     info = ensure_stack(StackConfig(), cfg.ray)
     enable_heartbeats()
     apply_connect_env(info)
     ensure_crash_automation()
-    print(f"rlflow: run {run_id}  |  Prefect UI {info.ui_url}  |  Ray {info.ray_address}", flush=True)
+    print(f"rlflow: run {run_id}  |  Prefect UI {info.ui_url}{ui_login(info)}  |  Ray {info.ray_address}", flush=True)
 
     from flows import progress
     from flows.train import connect_ray, train

@@ -49,13 +49,22 @@ def api_url(stack_home: Path) -> str:
     return LocalStack(StackConfig(home=str(stack_home))).status().info().prefect_api_url
 
 
+def api_settings(api_url: str, stack_home: Path) -> dict[Any, str]:
+    """What a Prefect client of the session's server is given: its address and the stack's auth string."""
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL
+
+    from infra.stack import prefect_auth_path, read_prefect_auth
+
+    return {PREFECT_API_URL: api_url, PREFECT_API_AUTH_STRING: read_prefect_auth(prefect_auth_path(stack_home))}
+
+
 @pytest.fixture
-def prefect(api_url: str) -> Iterator[Any]:
+def prefect(api_url: str, stack_home: Path) -> Iterator[Any]:
     """A sync Prefect client of the session's server (this process's settings are left as they were)."""
     from prefect import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import temporary_settings
 
-    with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+    with temporary_settings(updates=api_settings(api_url, stack_home)), get_client(sync_client=True) as client:
         yield client
 
 

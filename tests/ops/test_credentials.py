@@ -2,8 +2,9 @@
 session, given only as AWS_SECRET_ACCESS_KEY in the CLI's environment) and then looked for
 everywhere rlflow, Prefect and Ray keep things: the CLI output, the Prefect API (flow-run parameters,
 states, task runs, artifacts, logs), Prefect's persisted results, run.json and every object of the run
-in storage, the metric loggers' files, and the stack's logs and database. And the local stack listens on
-127.0.0.1 only.
+in storage, the metric loggers' files, and the stack's logs and database; the Prefect API's auth string
+is looked for there too. And the local stack listens on 127.0.0.1 only, and its Prefect API answers
+nothing without the stack's auth string, nor a state change without a CSRF token.
 
 The S3 server here is the dev server (`infra.s3server`) started with the planted key pair, so the
 secret is a value nothing else in the session uses. (The code-reward sandbox's timeout and memory cap
@@ -12,6 +13,7 @@ are tested in tests/rewards/test_sandbox.py.)
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -186,6 +188,15 @@ def test_secret_not_in_stack_logs_or_database(trained: Trained, planted_s3: Plan
     assert any(name.startswith(str(vault)) for name in files) is False, [n for n in files if str(vault) in n]
     assert leaks(planted_s3.secret, files) == []
     assert vault.stat().st_mode & 0o777 == 0o700
+    # The Prefect API's auth string is in its own 0600 file and nowhere else: not in the server's log, the
+    # database, Ray's logs (the runtime environments the workers got), nor the run's output.
+    from infra.stack import prefect_auth_path, read_prefect_auth
+
+    auth_file = prefect_auth_path(stack_home)
+    auth = read_prefect_auth(auth_file)
+    assert auth_file.stat().st_mode & 0o777 == 0o600 and str(auth_file) in files
+    assert leaks(auth, {name: data for name, data in files.items() if name != str(auth_file)}) == []
+    assert auth not in trained.proc.stdout + trained.proc.stderr
 
 
 # ----------------------------------------------------------------------------------- binding
@@ -259,6 +270,68 @@ def test_prefect_server_binds_loopback_only(stack_home: Path) -> None:
     found = [(name, a) for service, name, a in stack_listeners(stack_home) if service == "prefect"]
     assert found, "the Prefect server listens nowhere?"
     assert [f"{name} {_readable(a)}" for name, a in found if a.split(":")[0] not in _LOOPBACK] == []
+
+
+def _prefect_call(url: str, method: str = "GET", headers: dict[str, str] | None = None,
+                  body: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=body, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), err.read()
+
+
+def _basic(secret: str) -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(secret.encode()).decode()}
+
+
+def test_the_prefect_api_requires_the_stacks_auth_string(stack_home: Path, api_url: str) -> None:
+    """Any local process drove the API with no credential on main (a read and a state change answered
+    200): now every request but the health probes needs the stack's auth string (401 without it or with
+    another), the UI's own API included; Prefect's client, given it, works."""
+    from prefect import get_client
+    from prefect.settings import temporary_settings
+
+    from infra.stack import prefect_auth_path, read_prefect_auth
+    from tests.ops.conftest import api_settings
+
+    auth = read_prefect_auth(prefect_auth_path(stack_home))
+    assert len(auth) >= 32
+    assert _prefect_call(f"{api_url}/health")[0] == 200  # the probes stay open (stack health, k8s)
+    for headers in ({}, _basic("not-" + auth), {"Authorization": f"Bearer {auth}"}):
+        status, _, body = _prefect_call(f"{api_url}/admin/version", headers=headers)
+        assert (status, json.loads(body)) == (401, {"exception_message": "Unauthorized"}), headers.keys()
+        status, _, body = _prefect_call(f"{api_url}/flow_runs/filter", "POST", headers, b"{}")
+        assert status in (401, 403), (status, body[:200])
+    assert _prefect_call(f"{api_url}/admin/version", headers=_basic(auth))[0] == 200
+    with temporary_settings(updates=api_settings(api_url, stack_home)), get_client(sync_client=True) as client:
+        assert isinstance(client.read_flow_runs(limit=1), list)  # a POST: auth string and CSRF token
+
+
+def test_a_page_in_another_origin_cannot_drive_the_prefect_api(stack_home: Path, api_url: str) -> None:
+    """CSRF protection and CORS limited to the stack's own UI, behind the auth string: a state change
+    without a CSRF token is refused even with the credential, and a page of another origin gets no CORS
+    grant to read a token; the UI's own origin is granted."""
+    from infra.stack import prefect_auth_path, read_prefect_auth
+
+    auth = _basic(read_prefect_auth(prefect_auth_path(stack_home)))
+    own, evil = api_url.removesuffix("/api"), "http://evil.example"
+    status, _, body = _prefect_call(f"{api_url}/flow_runs/filter", "POST", {"Origin": evil, **auth}, b"{}")
+    assert (status, json.loads(body)) == (403, {"detail": "Missing CSRF token."})
+    _, headers, _ = _prefect_call(f"{api_url}/csrf-token?client=evil", headers={"Origin": evil, **auth})
+    assert headers.get("access-control-allow-origin") not in (evil, "*")
+    status, headers, body = _prefect_call(f"{api_url}/csrf-token?client=ui", headers={"Origin": own, **auth})
+    assert status == 200 and headers.get("access-control-allow-origin") == own
+    token = json.loads(body)["token"]
+    status, _, _ = _prefect_call(f"{api_url}/flow_runs/filter", "POST",
+                                 {"Origin": own, "Prefect-Csrf-Token": token, "Prefect-Csrf-Client": "ui", **auth},
+                                 b"{}")  # fmt: skip
+    assert status == 200  # the token the UI's origin fetched passes
 
 
 # A client of the stack with an actor, so that Ray's workers run too while the sockets are read.

@@ -18,6 +18,7 @@ from tests.ops.conftest import (
     FLOW,
     NEVER,
     Server,
+    api_settings,
     flow_logs,
     run_args,
     serving,
@@ -69,19 +70,19 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def lineage(cli: Cli, tiny_model_dir: Path, root: Path, api_url: str,
+def lineage(cli: Cli, tiny_model_dir: Path, root: Path, api_url: str, stack_home: Path,
             tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """`nightly` (every 20 s, one iteration a run, ENQUEUE) continued by its first scheduled run and by
     a run asked for while that one runs."""
     from prefect import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import temporary_settings
 
     start = time.monotonic()
     proc = cli("deploy", *run_args(tiny_model_dir, root, "trainer.iterations_per_run=1", *LORA), "--name", LINEAGE,
                "--interval", str(INTERVAL_S))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"deployment {FLOW}/{LINEAGE}" in proc.stdout
-    with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+    with temporary_settings(updates=api_settings(api_url, stack_home)), get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name(f"{FLOW}/{LINEAGE}")
         with serving(cli, [LINEAGE], tmp_path_factory.mktemp("serve-home")) as server:
             runs = _scheduled_then_queued(client, deployment.id, server)

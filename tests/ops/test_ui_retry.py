@@ -1,5 +1,5 @@
 """Retry of a failed deployed run by pressing the real button in the real Prefect UI in headless
-Chromium (where Chromium is missing: through the API call the button makes,
+Chromium, logged in on the UI's login page with the stack's auth string (where Chromium is missing: through the API call the button makes,
 `set_flow_run_state(id, AwaitingRetry())`). The flow runs again, every finished stage of the failed iteration comes
 back `Cached` (its buffer untouched), the live engine carries on, and the run completes. After the UI
 retry, the completed run's pages as Chromium renders them: the summary's charts, no pile of per-iteration
@@ -127,12 +127,28 @@ def test_retry_through_the_api(prefect: Any, server: Server, root: Path) -> None
     assert_retried(prefect, server, run, root, rollout)
 
 
-def test_retry_button_in_the_ui(prefect: Any, server: Server, root: Path, api_url: str, tmp_path: Path,
-                                chromium: str) -> None:
-    """The failed run's page in the UI, a screenshot of it (flow-run-failed.png), the Retry button pressed;
-    then the completed run as the UI renders it (see the module's docstring)."""
+def log_in(page: Any, ui: str, password: str, shot: Path) -> None:
+    """The stack's API requires its auth string: the UI opens on its login page (a screenshot of it), and
+    the password is typed there as a user does."""
+    page.goto(ui, wait_until="networkidle")
+    field = page.get_by_placeholder("admin:pass")  # the login page: nothing else is shown without the password
+    field.wait_for(timeout=30_000)
+    assert "/login" in page.url, page.url
+    page.screenshot(path=str(shot))
+    field.fill(password)
+    page.get_by_role("button", name="Login").click()
+    page.wait_for_url(lambda url: "/login" not in url, timeout=30_000)
+
+
+def test_retry_button_in_the_ui(prefect: Any, server: Server, root: Path, api_url: str, stack_home: Path,
+                                tmp_path: Path, chromium: str) -> None:
+    """The UI's login page, the failed run's page in the UI, a screenshot of it (flow-run-failed.png), the
+    Retry button pressed; then the completed run as the UI renders it (see the module's docstring)."""
     from playwright.sync_api import sync_playwright
 
+    from infra.stack import prefect_auth_path, read_prefect_auth
+
+    password = read_prefect_auth(prefect_auth_path(stack_home))
     run, rollout = failed_run(prefect, server, "retry-ui", root)
     ui = api_url.removesuffix('/api')
     page_url = f"{ui}/runs/flow-run/{run.id}"
@@ -140,6 +156,7 @@ def test_retry_button_in_the_ui(prefect: Any, server: Server, root: Path, api_ur
         browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 900})
         try:
+            log_in(page, ui, password, tmp_path / "login.png")
             page.goto(page_url, wait_until="networkidle")
             page.get_by_text(run.name).first.wait_for(timeout=60_000)
             page.screenshot(path=str(tmp_path / "flow-run-failed.png"))
@@ -163,6 +180,7 @@ def test_retry_button_in_the_ui(prefect: Any, server: Server, root: Path, api_ur
         browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
+            log_in(page, ui, password, tmp_path / "login-again.png")
             assert_rendered_run(page, ui, train_run, iteration, tmp_path)
         except Exception:
             page.screenshot(path=str(tmp_path / "ui-failure.png"))

@@ -20,13 +20,14 @@ def common(model: Path, root: str, run_id: str, *extra: str) -> list[str]:
             "data.train_batch_size=8", "actor.mini_batch_size=32", "actor.micro_batch_size=32", "data.val_size=16", "rollout.max_new_tokens=8", *extra]
 
 
-def test_grpo_three_iterations_on_s3(cli: Cli, tiny_model_dir: Path, s3_server) -> None:
+def test_grpo_three_iterations_on_s3(cli: Cli, tiny_model_dir: Path, s3_server, stack_home: Path) -> None:
     env = {**cli.env, **s3_server.env}
     root = f"s3://{s3_server.bucket}/pipeline"
     # Chunks of 16 rows: the reward stage scores in parallel Ray tasks (the other tests score in-process).
     proc = Cli(env)("train", *common(tiny_model_dir, root, "grpo-s3", "reward.chunk_size=16"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Prefect UI http://127.0.0.1:" in proc.stdout
+    assert f"(its password: the content of {stack_home / 'stack' / 'prefect_auth'})" in proc.stdout  # the UI's login
     # The console: one line per iteration (the progress display's); Prefect's lines about each iteration's
     # flow run ("Beginning subflow run", "View at", "Finished in state") and its log line are in the UI.
     console = (proc.stdout + proc.stderr).splitlines()

@@ -3,7 +3,8 @@
     python flow_probe.py HOME  ->  one JSON line on stdout
 
 Steps: create a detached actor in namespace "rlflow" (own driver, then disconnect); run a flow whose
-task (num_cpus=0 + one `rlflow_stage`) calls the actor by name; the runner connects to the head and
+task (num_cpus=0 + one `rlflow_stage`) calls the actor by name and reads flow runs from the API (which
+needs the stack's auth string there, with no env var for it); the runner connects to the head and
 disconnects at the end; then check the actor is still alive and read the flow run's state back from
 the Prefect server. Prefect and Ray are imported before the stack's environment is applied, on
 purpose: apply_connect_env must refresh both.
@@ -11,6 +12,7 @@ purpose: apply_connect_env must refresh both.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -38,8 +40,14 @@ def stage() -> dict:
     from prefect.settings import get_current_settings
 
     actor = ray.get_actor(ACTOR, namespace="rlflow")
+    auth = get_current_settings().api.auth_string
+    with get_client(sync_client=True) as client:  # a POST: the auth string and a CSRF token
+        runs = client.read_flow_runs(limit=1)
     return {
         "api_url": str(get_current_settings().api.url),
+        "api_auth_sha256": hashlib.sha256(auth.get_secret_value().encode()).hexdigest() if auth else None,
+        "worker_read_runs": len(runs),
+        "env_has_auth": "PREFECT_API_AUTH_STRING" in os.environ,
         "resources": ray.get_runtime_context().get_assigned_resources(),
         "actor_pid": ray.get(actor.pid.remote()),
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -25,7 +26,9 @@ from infra.stack import (
     ProcessRecord,
     StackInfo,
     connect_env,
+    prefect_auth_path,
     ray_temp_dir,
+    read_prefect_auth,
     resolve_home,
 )
 
@@ -183,10 +186,41 @@ def test_connect_env() -> None:
     )
     external = StackInfo("u/api", "ray.example:6379", "u")  # a cluster of the user's: its auth is theirs
     assert not any(key.startswith("RAY_AUTH") for key in connect_env(external))
+    assert "PREFECT_API_AUTH_STRING" not in connect_env(external)  # an external Prefect API: the user's env
+
     # Our head in Ray's single-machine mode (the node IP stays 127.0.0.1): its clients need the mode too.
     loopback = StackInfo("u/api", "127.0.0.1:6379", "u", "token", "/h/tok", ray_loopback=True)
     assert connect_env(loopback)["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
     assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in connect_env(token) | connect_env(external)
+
+
+def test_connect_env_reads_the_prefect_auth_string(tmp_path: Path) -> None:
+    """Our Prefect server's auth string reaches a client through its environment, read from the 0600 file;
+    a missing or empty file is one line, not a client that fails later with 401."""
+    (tmp_path / "auth").write_text("s3cret-string\n")
+    ours = StackInfo("u/api", "a:1", "u", "token", "/h/tok", prefect_auth_path=str(tmp_path / "auth"))
+    assert connect_env(ours)["PREFECT_API_AUTH_STRING"] == "s3cret-string"
+    (tmp_path / "auth").write_text("")
+    with pytest.raises(InfraError, match="auth string file .*auth is empty"):
+        connect_env(ours)
+    with pytest.raises(InfraError, match="cannot read the Prefect API's auth string .*missing"):
+        connect_env(StackInfo("u/api", "a:1", "u", prefect_auth_path=str(tmp_path / "missing")))
+
+
+def test_prefect_command_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server is locked (an auth string made once, 0600; CSRF; CORS for its own UI) and takes none of
+    the caller's Prefect auth or CSRF settings."""
+    monkeypatch.setenv("PREFECT_SERVER_API_AUTH_STRING", "someone-elses")
+    monkeypatch.setenv("PREFECT_SERVER_CSRF_PROTECTION_ENABLED", "false")
+    monkeypatch.setenv("PREFECT_API_AUTH_STRING", "someone-elses")
+    stack = LocalStack(StackConfig(home=str(tmp_path)))
+    _, env = stack._prefect_command(4321)
+    auth = prefect_auth_path(stack.home)
+    assert env["PREFECT_SERVER_API_AUTH_STRING"] == read_prefect_auth(auth) != "someone-elses"
+    assert auth.stat().st_mode & 0o777 == 0o600 and len(read_prefect_auth(auth)) == 64
+    assert env["PREFECT_SERVER_CSRF_PROTECTION_ENABLED"] == "true" and "PREFECT_API_AUTH_STRING" not in env
+    assert env["PREFECT_SERVER_CORS_ALLOWED_ORIGINS"] == "http://127.0.0.1:4321"
+    assert stack._prefect_command(4321)[1]["PREFECT_SERVER_API_AUTH_STRING"] == read_prefect_auth(auth)  # kept
 
 
 def test_ray_command_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -243,6 +277,12 @@ def test_up_flow_down(
     assert run_cli(["status"]) == 0
     out = capsys.readouterr().out
     assert info.ui_url in out and info.ray_address in out and all(str(pid) in out for pid in pids)
+    auth = prefect_auth_path(stack.home)  # the API's credential: where it is, never what it is
+    assert info.prefect_auth_path == str(auth) and auth.stat().st_mode & 0o777 == 0o600
+    assert f"auth string in {auth} (the UI asks for it)" in out and read_prefect_auth(auth) not in out
+    assert run_cli(["status", "--env"]) == 0
+    out = capsys.readouterr().out
+    assert f'export PREFECT_API_AUTH_STRING="$(cat {auth})"' in out.splitlines() and read_prefect_auth(auth) not in out
 
     probe = subprocess.run(
         [sys.executable, str(HERE / "flow_probe.py"), str(stack.home)],
@@ -252,6 +292,9 @@ def test_up_flow_down(
     assert probe.returncode == 0, probe.stderr[-3000:]
     result = json.loads(probe.stdout.strip().splitlines()[-1])
     assert result["api_url"] == info.prefect_api_url  # reached the Ray worker without any env var there
+    # ...and so did the auth string: the worker's own call to the API passed
+    assert result["api_auth_sha256"] == hashlib.sha256(read_prefect_auth(auth).encode()).hexdigest()
+    assert result["worker_read_runs"] == 1 and result["env_has_auth"] is False
     assert result["resources"] == {STAGE_RESOURCE: 1.0}  # num_cpus=0: no CPU taken
     assert result["flow_state"] == result["server_state"] == "COMPLETED"
     assert result["actor_pid"] == result["actor_pid_before"] == result["actor_pid_after"]
