@@ -203,6 +203,22 @@ class OptimConfig(Section):
                              "(lora.rank > 0)")
 
 
+class RolloutCorrectionConfig(Section):
+    """The correction of the gap between the policy that generated a rollout (its own log-probs, recorded
+    as it sampled) and the trainer's (engine.algos.correction): a stale rollout of an asynchronous run, or
+    another engine's or precision's numbers. The weight w = pi_trainer / pi_rollout multiplies each token's
+    advantage: truncated at `upper` (TIS) or, outside [lower, upper], zero (MIS / IcePop)."""
+
+    mode: Literal["auto", "none", "truncate", "mask"] = Field(
+        "auto", description="auto: truncate for an asynchronous run (trainer.max_staleness > 0), none otherwise; "
+        "none: no correction; truncate: min(w, upper); mask: w inside [lower, upper], 0 outside")
+    level: Literal["token", "sequence"] = Field(
+        "token", description="token: each token's own ratio; sequence: the product of a response's token ratios, "
+        "one weight for all its tokens")
+    upper: float = Field(2.0, ge=1, description="truncate: the cap of w; mask: the largest w kept")
+    lower: float = Field(0.5, gt=0, le=1, description="mask: the smallest w kept")
+
+
 class ActorConfig(OptimConfig):
     """The policy update: optimizer and batching (as the critic's), the loss and its aggregation."""
 
@@ -222,9 +238,9 @@ class ActorConfig(OptimConfig):
         "auto", description="forward passes run each distinct prompt of a micro-batch once and its responses "
         "on its KV cache (GRPO groups share a prompt): the same log-probs, about half the compute at n=8; "
         "auto: on, unless gradient_checkpointing or packed_sequences (which it cannot combine with)")
-    behavior_is_cap: float = Field(
-        2.0, ge=1, description="asynchronous runs (trainer.max_staleness > 0): the cap of the truncated importance "
-        "weight min(pi_prox / pi_behav, cap) that corrects each token of a stale rollout (decoupled PPO)")
+    rollout_correction: RolloutCorrectionConfig = Field(
+        default_factory=lambda: RolloutCorrectionConfig(),
+        description="importance weights between the trainer's log-probs and the rollout's own (engine.algos.correction)")
     old_log_prob: Literal["auto", "recompute"] = Field(
         "auto", description="auto: skip the separate old log-prob pass when the update is one optimizer step "
         "on the whole batch (see reuses_update_logp); recompute: always run it")

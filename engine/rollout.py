@@ -31,8 +31,8 @@ class SamplingParams:
 class RolloutOutput:
     responses: torch.Tensor  # [B, T] token ids, pad after the end
     response_mask: torch.Tensor  # [B, T] 1 for generated tokens up to and including eos
-    logp: torch.Tensor  # [B, T] float32 log-prob of each token under the generating weights (logits /
-    #                     temperature, the distribution the update scores): the behaviour policy; 0 after the end
+    logp: torch.Tensor  # [B, T] float32 log-prob of each token under the distribution it was drawn from
+    #                     (logits / temperature, then top-k and top-p: the behaviour policy); 0 after the end
 
 
 class RolloutBackend(Protocol):
@@ -88,9 +88,10 @@ class HFRollout:
         alive = torch.arange(rows, device=input_ids.device)  # original row of each row still generating
         position, mask = position_ids[:, -1], attention_mask
         for t in range(length):
-            token = sample_next(logits, params, generator)  # [alive]
+            drawn_from = sampling_logits(logits, params)  # what the draw below samples from
+            token = draw(drawn_from, params, generator)  # [alive]
             responses[alive, t] = token
-            logp[alive, t] = torch.log_softmax(logits / params.temperature, dim=-1).gather(-1, token[:, None])[:, 0]
+            logp[alive, t] = torch.log_softmax(drawn_from, dim=-1).gather(-1, token[:, None])[:, 0]
             ended = torch.isin(token, stops)
             if t == length - 1:
                 break
@@ -121,9 +122,23 @@ class HFRollout:
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
     """[b, V] logits -> [b] next tokens: greedy, or a draw after temperature, top-k and top-p."""
+    return draw(sampling_logits(logits, params), params, generator)
+
+
+def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
+    """[b, V] logits of the sampling distribution (sampling_logits) -> [b] tokens: the argmax when greedy."""
     if not params.do_sample:
         return logits.argmax(-1)
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
+
+
+def sampling_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[b, V] logits -> the logits of the distribution a token is drawn from: / temperature, then top-k
+    and top-p (nucleus) set what they drop to -inf (sampling only; greedy: / temperature alone). Its
+    log_softmax is the behaviour log-prob of the drawn token (engine.algos.correction)."""
     logits = logits / params.temperature
+    if not params.do_sample:
+        return logits
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # [b, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -133,8 +148,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         before = probs.cumsum(-1) - probs  # mass of the tokens ranked above each one
         drop = before >= params.top_p  # the first token is always kept (before = 0)
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return logits
 
 
 def response_mask_until_eos(responses: torch.Tensor, stop_ids: list[int]) -> torch.Tensor:

@@ -62,9 +62,9 @@ def stages_for(cfg: RLConfig) -> list[StageSpec]:
         stages.append(StageSpec(name="compute_values", task="compute_values", reads=SEQUENCES, writes=("values",),
                                 buffer="values", engine=True))
     # The advantage buffer holds everything the updates read, so a replay needs it alone.
-    stale = cfg.trainer.max_staleness > 0  # the update corrects by the rollout's own log-probs
+    corrected = cfg.rollout_correction_mode != "none"  # the update corrects by the rollout's own log-probs
     carried = [c for c, on in (("old_logp", cfg.needs_old_logp), ("ref_logp", cfg.needs_ref),
-                               ("values", cfg.critic.enable), ("rollout_logp", stale)) if on]
+                               ("values", cfg.critic.enable), ("rollout_logp", corrected)) if on]
     adv_reads = [*SEQUENCES, "row_index", "group_id", "token_scores", *carried, *extra_scores]
     if spec.needs_baseline:
         adv_reads.append("baseline_score")
@@ -77,7 +77,7 @@ def stages_for(cfg: RLConfig) -> list[StageSpec]:
         stages.append(StageSpec(name="update_critic", task="update_critic", engine=True, writes=(),
                                 reads=(*SEQUENCES, "values", "returns")))
     actor_reads = [*SEQUENCES, "adv", *(["old_logp"] if cfg.needs_old_logp else []),
-                   *(["ref_logp"] if cfg.actor.use_kl_loss else []), *(["rollout_logp"] if stale else [])]
+                   *(["ref_logp"] if cfg.actor.use_kl_loss else []), *(["rollout_logp"] if corrected else [])]
     stages.append(StageSpec(name="update_policy", task="update_policy", engine=True, writes=(),
                             reads=tuple(actor_reads)))
     if cfg.placement.mode == "split":  # the new weights to the rollout pool

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -54,7 +54,7 @@ class TrainerConfig(Section):
                             "training pool's")
     max_staleness: int = Field(0, ge=0, description="k: the rollout of iteration i generates with the weights of "
                                "version i-1-k (0: on-policy). k >= 1 needs placement.mode=split, and the rollout "
-                               "of i+1 runs while i updates; the update corrects the gap (actor.behavior_is_cap)")
+                               "of i+1 runs while i updates; the update corrects the gap (actor.rollout_correction)")
     device: str = Field("cpu", pattern=r"^(cpu|cuda|auto)$")
     seed: int = Field(0, ge=0)
     export_at_end: bool = True
@@ -185,9 +185,7 @@ class RLConfig(BaseModel):
                 if _differs_from_default(self.placement, key):
                     raise _cross(f"placement.{key}", getattr(self.placement, key), "is a setting of the rollout "
                                  "pool: it needs placement.mode=split")
-        if not k and _differs_from_default(self.actor, "behavior_is_cap"):
-            raise _cross("actor.behavior_is_cap", self.actor.behavior_is_cap, "corrects stale rollouts: it needs "
-                         "trainer.max_staleness >= 1 (an on-policy run has none)")
+        self._check_rollout_correction()
         buffer = self.reward.overlong_buffer_len
         if buffer and buffer >= self.rollout.max_new_tokens:
             raise _cross("reward.overlong_buffer_len", buffer, f"must be below rollout.max_new_tokens "
@@ -298,6 +296,27 @@ class RLConfig(BaseModel):
     @property
     def needs_ref(self) -> bool:
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    @property
+    def rollout_correction_mode(self) -> Literal["none", "truncate", "mask"]:
+        """actor.rollout_correction.mode with auto resolved: truncate for an asynchronous run, else none."""
+        mode = self.actor.rollout_correction.mode
+        if mode == "auto":
+            return "truncate" if self.trainer.max_staleness > 0 else "none"
+        return mode
+
+    def _check_rollout_correction(self) -> None:
+        """A setting of the correction that changes nothing in this config is refused."""
+        corr = self.actor.rollout_correction
+        mode = self.rollout_correction_mode
+        for key in ("level", "upper", "lower"):
+            if mode == "none" and _differs_from_default(corr, key):
+                raise _cross(f"actor.rollout_correction.{key}", getattr(corr, key), "has no effect without a "
+                             "correction: set actor.rollout_correction.mode=truncate or mask (auto is none for "
+                             "an on-policy run)")
+        if mode == "truncate" and _differs_from_default(corr, "lower"):
+            raise _cross("actor.rollout_correction.lower", corr.lower, "is the lower bound of mode=mask; "
+                         "truncate caps from above only")
 
     @property
     def needs_old_logp(self) -> bool:

@@ -333,6 +333,9 @@ def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str
     # Multi-turn responses have observation holes: forward passes take the padded layout (share_prompts=auto
     # means off there; true and packed_sequences are refused by the config).
     actor = cfg.actor.model_copy(update={"share_prompts": False}) if cfg.rollout.multi_turn.enable else cfg.actor
+    # The ranks get the correction's mode resolved (auto: truncate for an asynchronous run, else none).
+    actor = actor.model_copy(update={"rollout_correction": actor.rollout_correction.model_copy(
+        update={"mode": cfg.rollout_correction_mode})})
     policy = PolicySpec(
         model_path=model_path, tokenizer_path=tokenizer_path, dtype=cfg.model.dtype,
         trust_remote_code=cfg.model.trust_remote_code, rollout=cfg.rollout, actor=actor, ref=cfg.ref,

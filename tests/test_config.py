@@ -186,8 +186,11 @@ def test_file_paths_of_user_code_are_made_absolute(tmp_path: Path, monkeypatch: 
 @pytest.mark.parametrize(("override", "message"), [
     ("placement.rollout_ranks=2", "placement.rollout_ranks=2 is not allowed: is a setting of the rollout pool: it needs "
                                   "placement.mode=split"),
-    ("actor.behavior_is_cap=3", "actor.behavior_is_cap=3.0 is not allowed: corrects stale rollouts: it needs "
-                                "trainer.max_staleness >= 1"),
+    ("actor.rollout_correction.upper=3", "actor.rollout_correction.upper=3.0 is not allowed: has no effect without "
+                                         "a correction: set actor.rollout_correction.mode=truncate or mask"),
+    ("actor.rollout_correction.level=sequence", "actor.rollout_correction.level='sequence' is not allowed: has no "
+                                                "effect without a correction"),
+    ("actor.rollout_correction.lower=0.2", "actor.rollout_correction.lower=0.2 is not allowed: has no effect"),
     ("trainer.max_staleness=1", "trainer.max_staleness=1 is not allowed: needs placement.mode=split"),
 ])
 def test_asynchronous_settings_without_their_mode_are_refused(override: str, message: str) -> None:
@@ -195,10 +198,36 @@ def test_asynchronous_settings_without_their_mode_are_refused(override: str, mes
         load_config(None, [override])
 
 
+def test_rollout_correction_modes() -> None:
+    """auto is truncate for an asynchronous run and none otherwise; a setting the chosen mode ignores is
+    refused; the rollout's log-probs reach the update only when it corrects."""
+    from flows.algorithms import stages_for
+
+    def reads(cfg: RLConfig) -> tuple[str, ...]:
+        return next(s for s in stages_for(cfg) if s.name == "update_policy").reads
+
+    on_policy = load_config(None, [])
+    assert on_policy.rollout_correction_mode == "none" and "rollout_logp" not in reads(on_policy)
+    stale = load_config(None, ["placement.mode=split", "trainer.max_staleness=1"])
+    assert stale.rollout_correction_mode == "truncate" and "rollout_logp" in reads(stale)
+    masked = load_config(None, ["actor.rollout_correction.mode=mask", "actor.rollout_correction.level=sequence",
+                                "actor.rollout_correction.lower=0.25"])
+    assert masked.rollout_correction_mode == "mask" and "rollout_logp" in reads(masked)
+    uncorrected = load_config(None, ["placement.mode=split", "trainer.max_staleness=1",
+                                     "actor.rollout_correction.mode=none"])
+    assert "rollout_logp" not in reads(uncorrected)
+    with pytest.raises(ConfigError, match=re.escape("actor.rollout_correction.lower=0.25 is not allowed: is the lower "
+                                                    "bound of mode=mask")):
+        load_config(None, ["actor.rollout_correction.mode=truncate", "actor.rollout_correction.lower=0.25"])
+    with pytest.raises(ConfigError, match="actor.rollout_correction.mode"):
+        load_config(None, ["actor.rollout_correction.mode=clip"])
+
+
 def test_a_saved_config_builds_again() -> None:
     """run.json holds every default written out; a resume re-reads it, so the refusals of settings that a
     mode ignores must not fire on a default (the CI failure of every colocated --resume)."""
-    for overrides in ([], ["placement.mode=split", "trainer.max_staleness=1", "actor.behavior_is_cap=3"]):
+    for overrides in ([], ["placement.mode=split", "trainer.max_staleness=1", "actor.rollout_correction.upper=3"],
+                      ["actor.rollout_correction.mode=mask", "actor.rollout_correction.lower=0.8"]):
         cfg = load_config(None, overrides)
         again = build_config(json.loads(json.dumps(cfg.public_dict())))
         assert again.config_hash() == cfg.config_hash()

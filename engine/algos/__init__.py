@@ -22,6 +22,7 @@ from engine.algos.advantages import (
     rloo,
 )
 from engine.algos.agg import LOSS_AGG_MODES, agg_loss, agg_units
+from engine.algos.correction import rollout_correction
 from engine.algos.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -48,7 +49,6 @@ from engine.algos.masked import (
 from engine.algos.policy_loss import (
     POLICY_LOSSES,
     PolicyLossFn,
-    behavior_weights,
     get_policy_loss,
     gspo,
     ppo_clip,
@@ -73,7 +73,6 @@ __all__ = [
     "agg_loss",
     "agg_units",
     "apply_kl_penalty",
-    "behavior_weights",
     "clipped_value_loss",
     "dr_grpo",
     "entropy_from_logits",
@@ -98,6 +97,7 @@ __all__ = [
     "ppo_clip",
     "register_adv_estimator",
     "register_policy_loss",
+    "rollout_correction",
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",
     "remax",

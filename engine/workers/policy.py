@@ -213,9 +213,15 @@ class PolicyWorker(RankWorker):
         self.version = iteration
         local["actor/lr"] = torch.tensor(lr)
         metrics = fsdp.all_reduce_mean(local)
-        if "rollout_logp" in batch:  # the largest weight before truncation, over every token of every rank
-            metrics["async/is_weight_max"] = fsdp.global_max(self._is_weight_max)
+        if self._corrects:  # the largest weight before truncation, over every token of every rank
+            metrics["rollout_corr/is_weight_max"] = fsdp.global_max(self._is_weight_max)
         return metrics
+
+    @property
+    def _corrects(self) -> bool:
+        """Whether the update weighs tokens by pi_trainer / pi_rollout: actor.rollout_correction.mode, as the
+        flow resolved it (auto is resolved there, from trainer.max_staleness; here it means none)."""
+        return self.spec.actor.rollout_correction.mode in ("truncate", "mask")
 
     def gradients(self, batch: Batch, *, micro_batch_size: int | None = None, loss_agg_mode: str | None = None,
                   max_tokens_per_micro_batch: int | None = None) -> dict[str, torch.Tensor]:
@@ -256,11 +262,16 @@ class PolicyWorker(RankWorker):
         old_logp = micro["old_logp"] if "old_logp" in micro else logp.detach()
         adv = micro["adv"]
         is_stats: dict[str, torch.Tensor] = {}
-        if "rollout_logp" in micro:  # a stale rollout (trainer.max_staleness > 0): decoupled PPO
-            weights, is_stats = algos.behavior_weights(old_logp=old_logp, behavior_logp=micro["rollout_logp"],
-                                                       response_mask=mask, cap=cfg.behavior_is_cap)
+        if self._corrects:  # the rollout's policy is not the trainer's (stale, or another engine): correct
+            if "rollout_logp" not in micro:
+                raise RuntimeError("actor.rollout_correction needs the rollout's own log-probs (rollout_logp), and "
+                                   "this batch has none")
+            corr = cfg.rollout_correction
+            weights, is_stats = algos.rollout_correction(
+                old_logp=old_logp, rollout_logp=micro["rollout_logp"], response_mask=mask,
+                mode=corr.mode, level=corr.level, upper=corr.upper, lower=corr.lower)  # type: ignore[arg-type]
             self._is_weight_max = max(self._is_weight_max, float(is_stats.pop("is_weight_max")))
-            adv = adv * weights  # = weights x the clipped surrogate (algos.behavior_weights)
+            adv = adv * weights  # = weights x the clipped surrogate (engine.algos.correction)
         pg_loss, pg_stats = policy_loss(
             logp=logp, old_logp=old_logp, adv=adv,
             response_mask=mask,
@@ -273,7 +284,7 @@ class PolicyWorker(RankWorker):
         loss = pg_loss - cfg.entropy_coeff * entropy if cfg.entropy_coeff > 0 else pg_loss
         stats = {"actor/pg_loss": pg_loss.detach(), "actor/entropy": entropy.detach(),
                  **{f"actor/{k}": v.detach() for k, v in pg_stats.items()},
-                 **{f"async/{k}": v.detach() for k, v in is_stats.items()}}
+                 **{f"rollout_corr/{k}": v.detach() for k, v in is_stats.items()}}
         if cfg.use_kl_loss:
             kl, _ = algos.kl_loss(logp=logp, ref_logp=micro["ref_logp"], response_mask=mask,
                                   estimator=cfg.kl_loss_type, loss_agg_mode=cfg.loss_agg_mode,

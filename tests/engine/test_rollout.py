@@ -73,6 +73,27 @@ def test_top_k_one_is_greedy(loaded) -> None:  # noqa: ANN001
     assert torch.equal(greedy, top1)
 
 
+def test_behaviour_logp_is_of_the_distribution_sampled(loaded) -> None:  # noqa: ANN001
+    """The rollout's log-probs are those of the distribution each token was drawn from (after temperature,
+    top-k and top-p): with top_k=1 every drawn token had probability 1; with top-k 3 each is its tempered
+    probability renormalised over the 3 kept (on main: the tempered one over the whole vocabulary)."""
+    model, _, rollout, ids, mask = loaded
+    top1 = rollout.generate(ids, mask, SamplingParams(max_new_tokens=6, temperature=3.0, top_k=1), seed=5)
+    assert torch.equal(top1.logp, torch.zeros_like(top1.logp))
+    params = SamplingParams(max_new_tokens=6, temperature=1.5, top_k=3)
+    out = rollout.generate(ids[:4], mask[:4], params, seed=2)
+    sequences = torch.cat([ids[:4], out.responses], dim=1)
+    full_mask = torch.cat([mask[:4], torch.ones_like(out.responses)], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=sequences, attention_mask=full_mask).logits[:, ids.shape[1] - 1:-1].float() / 1.5
+    kept = logits.topk(3, dim=-1).values  # [4, T, 3]
+    chosen = logits.gather(-1, out.responses[..., None])[..., 0]
+    by_hand = (chosen - kept.logsumexp(-1)) * out.response_mask
+    assert torch.allclose(out.logp, by_hand, atol=1e-4)
+    tempered = torch.log_softmax(logits, -1).gather(-1, out.responses[..., None])[..., 0] * out.response_mask
+    assert not torch.allclose(out.logp, tempered, atol=1e-3)  # what main recorded differs
+
+
 def _frequencies(logits: torch.Tensor, params: SamplingParams, draws: int = 40_000) -> torch.Tensor:
     gen = torch.Generator().manual_seed(0)
     tokens = sample_next(logits.expand(draws, -1), params, gen)

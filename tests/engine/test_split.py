@@ -5,13 +5,12 @@ PPO, on a case computed by hand."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from engine import algos, weight_sync
+from engine import weight_sync
 from engine.engine import Engine, EngineSpec, check_fits
 from engine.errors import ConfigError, EngineError
 from engine.workers.group import list_engines
@@ -92,24 +91,3 @@ def test_bucketed_sync_gives_both_pools_the_same_weights_and_sets_the_version_la
         assert engine.rollout.call("get_version", mode="rank0") == 1  # (rank 1 waits for the rest: stopped below)
     finally:
         engine.stop()
-
-
-def test_behavior_importance_weights_by_hand() -> None:
-    # proximal log-probs (the trainer's weights before the update) and the rollout's own ones
-    old = torch.tensor([[math.log(0.5), math.log(0.2), math.log(0.9)]])
-    behav = torch.tensor([[math.log(0.25), math.log(0.4), math.log(0.1)]])
-    mask = torch.tensor([[1, 1, 0]])
-    w, stats = algos.behavior_weights(old_logp=old, behavior_logp=behav, response_mask=mask, cap=1.5)
-    # ratios 0.5/0.25 = 2 (truncated to 1.5), 0.2/0.4 = 0.5, the masked token 9 -> 0
-    assert torch.allclose(w, torch.tensor([[1.5, 0.5, 0.0]]))
-    assert float(stats["is_weight_mean"]) == pytest.approx(1.25)  # (2 + 0.5) / 2, before truncation
-    assert float(stats["is_weight_max"]) == pytest.approx(2.0)
-    assert float(stats["is_weight_clipped"]) == pytest.approx(0.5)
-    # The decoupled loss is w x the clipped surrogate of pi / pi_prox: with the advantages scaled by w,
-    # ppo_clip gives exactly that, token by token (here: ratio 1.1 against the proximal policy).
-    logp = old + math.log(1.1)
-    adv = torch.tensor([[1.0, -2.0, 3.0]])
-    loss, _ = algos.ppo_clip(logp=logp, old_logp=old, adv=adv * w, response_mask=mask, clip_low=0.2, clip_high=0.2,
-                             loss_agg_mode="token-mean")
-    by_hand = (1.5 * -(1.0 * 1.1) + 0.5 * -(-2.0 * 1.1)) / 2  # both ratios inside the clip range
-    assert float(loss) == pytest.approx(by_hand)

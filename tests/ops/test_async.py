@@ -90,9 +90,9 @@ def test_async_rollouts_use_the_scheduled_versions_and_overlap_updates(reference
     lines = reference["metrics"]
     assert [m["async/rollout_version"] for m in lines] == [0, 0, 1, 2]  # max(0, i - 1 - k)
     assert [m["async/staleness"] for m in lines] == [0, 1, 1, 1]
-    for m in lines:  # decoupled PPO's truncated importance weights are reported
-        assert 0 < m["async/is_weight_mean"] and m["async/is_weight_max"] >= m["async/is_weight_mean"]
-        assert 0 <= m["async/is_weight_clipped"] <= 1
+    for m in lines:  # decoupled PPO's truncated importance weights are reported (auto: truncate, token level)
+        assert 0 < m["rollout_corr/is_weight_mean"] and m["rollout_corr/is_weight_max"] >= m["rollout_corr/is_weight_mean"]
+        assert 0 <= m["rollout_corr/corrected_share"] <= 1
     events = json.loads((reference["root"] / "async-ref" / "trace" / "timeline.json").read_text())["traceEvents"]
     spans = {(e["args"]["iteration"], e["name"]): (e["ts"], e["ts"] + e["dur"])
              for e in events if e["ph"] == "X" and e["pid"] == 1}

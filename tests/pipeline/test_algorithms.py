@@ -225,6 +225,30 @@ def test_dr_grpo_with_a_user_stage_as_second_reward(warm_cli: WarmCli, tiny_mode
         assert m["critic/score/mean"] == pytest.approx(float(combined.mean()), rel=1e-5)
 
 
+def test_rollout_correction_reaches_the_update(warm_cli: WarmCli, tiny_model_dir: Path, root: Path) -> None:
+    """Masked sequence-level correction on an on-policy run that samples with top-k 3: the rollout's own
+    log-probs are of the truncated distribution, the trainer's of the full one, so the gap is real. The
+    update's metrics equal what the advantage buffer's two columns give by hand (16 rows, one micro-batch of
+    8 per rank: the ranks' mean is the mean over rows)."""
+    run = train(warm_cli, root, "corrected", tiny_model_dir, "rollout.top_k=3", "actor.old_log_prob=recompute",
+                "actor.rollout_correction.mode=mask", "actor.rollout_correction.level=sequence",
+                "actor.rollout_correction.upper=1.05", "actor.rollout_correction.lower=0.95", iterations=2)
+    for i in (1, 2):
+        adv, m = run.buffer(i, "advantage"), run.metrics(i)
+        mask = adv["response_mask"].double()
+        gap = (adv["old_logp"].double() - adv["rollout_logp"].double()) * mask
+        assert float(gap.sum()) < 0  # top-k 3 made every drawn token likelier under the rollout's distribution
+        ratio = gap.sum(-1).exp()
+        outside = ((ratio < 0.95) | (ratio > 1.05)).double()
+        assert m["rollout_corr/corrected_share"] == pytest.approx(float(outside.mean()), abs=1e-5)
+        assert 0 < m["rollout_corr/corrected_share"]
+        assert m["rollout_corr/is_weight_mean"] == pytest.approx(float(ratio.mean()), rel=1e-4)
+        assert m["rollout_corr/is_weight_max"] == pytest.approx(float(ratio.max()), rel=1e-4)
+        per_row = gap.sum(-1) / mask.sum(-1)
+        assert m["rollout_corr/log_ppl_diff"] == pytest.approx(float(per_row.mean()), rel=1e-4)
+        assert m["rollout_corr/kl_k3"] > 0  # a token mean per rank (its formula: tests/algos/test_correction.py)
+
+
 def test_a_stage_reading_a_column_nobody_writes_is_refused_before_launch(cli: Cli, tiny_model_dir: Path,
                                                                           tmp_path: Path) -> None:
     proc = cli("train", *overrides(tiny_model_dir, tmp_path, "refused",
@@ -238,8 +262,7 @@ def test_a_stage_reading_a_column_nobody_writes_is_refused_before_launch(cli: Cl
 
 # Fields no pipeline run reads, each with the reason it is not a setting of the numbers.
 # Settings only a split, asynchronous run reads: checked on tests/ops/test_async.py's reference run.
-ASYNC_ONLY = {"placement.rollout_ranks": ("PlacementConfig", "rollout_ranks"),
-              "actor.behavior_is_cap": ("ActorConfig", "behavior_is_cap")}
+ASYNC_ONLY = {"placement.rollout_ranks": ("PlacementConfig", "rollout_ranks")}
 OPERATIONAL = {
     "storage": "where results go and how storage is reached (tests/infra)",
     "ray": "which Ray cluster and namespace (tests/stack)",
