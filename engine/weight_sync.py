@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -79,26 +80,37 @@ def receive(group: SyncGroup, targets: dict[str, torch.Tensor], bucket_bytes: in
     """Receive the broadcast buckets into `targets` (tensors written in place, cast to their dtype);
     returns the bytes received. RuntimeError, before anything is written, when the sender's plan is
     not this model's. `after_bucket(i)`: called after bucket i is written (a test's fault hook)."""
-    plan = bucket_plan([(k, tuple(v.shape)) for k, v in targets.items()], bucket_bytes)
+    received = 0
+    with torch.no_grad():
+        for name, tensor in receive_stream(group, [(k, tuple(v.shape)) for k, v in targets.items()], bucket_bytes,
+                                           after_bucket):
+            targets[name].copy_(tensor)
+            received += tensor.numel() * 4
+    return received
+
+
+def receive_stream(group: SyncGroup, entries: list[Entry], bucket_bytes: int,
+                   after_bucket: object = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The broadcast weights as (name, float32 tensor) pairs, a bucket received each time the last one's
+    tensors have been taken (a vLLM engine loads them as they come: no full copy is assembled). The
+    sender's plan is checked against `entries` first, RuntimeError before any weight is yielded.
+    `after_bucket(i)`: called once bucket i's tensors have all been taken."""
+    plan = bucket_plan(entries, bucket_bytes)
     header = torch.zeros(2, dtype=torch.int64)
     _broadcast(group, header)
     if int(header[0]) != plan_digest(plan) or int(header[1]) != len(plan):
         raise RuntimeError(f"weight sync: the training pool sends {int(header[1])} buckets of another plan than "
                            f"this rollout model's {len(plan)} (different weight names or shapes)")
-    received = 0
     for i, bucket in enumerate(plan):
         flat = torch.empty(sum(_numel(shape) for _, shape in bucket), dtype=torch.float32)
         _broadcast(group, flat)
         offset = 0
-        with torch.no_grad():
-            for name, shape in bucket:
-                n = _numel(shape)
-                targets[name].copy_(flat[offset:offset + n].view(shape))
-                offset += n
-        received += flat.numel() * 4
+        for name, shape in bucket:
+            n = _numel(shape)
+            yield name, flat[offset:offset + n].view(shape)
+            offset += n
         if callable(after_bucket):
             after_bucket(i)
-    return received
 
 
 def tied_duplicates(model: torch.nn.Module) -> set[str]:

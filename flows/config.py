@@ -186,6 +186,7 @@ class RLConfig(BaseModel):
                     raise _cross(f"placement.{key}", getattr(self.placement, key), "is a setting of the rollout "
                                  "pool: it needs placement.mode=split")
         self._check_rollout_correction()
+        self._check_vllm()
         buffer = self.reward.overlong_buffer_len
         if buffer and buffer >= self.rollout.max_new_tokens:
             raise _cross("reward.overlong_buffer_len", buffer, f"must be below rollout.max_new_tokens "
@@ -294,6 +295,12 @@ class RLConfig(BaseModel):
         return max(1800.0, 0.001 * tokens), "trainer.stage_timeout_s (default, scaled with the batch)"
 
     @property
+    def max_model_len(self) -> int:
+        """rollout.name=vllm: the longest prompt plus response an engine serves."""
+        explicit = self.rollout.vllm.max_model_len
+        return explicit if explicit is not None else self.data.max_prompt_length + self.rollout.max_new_tokens
+
+    @property
     def needs_ref(self) -> bool:
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
@@ -304,6 +311,22 @@ class RLConfig(BaseModel):
         if mode == "auto":
             return "truncate" if self.trainer.max_staleness > 0 else "none"
         return mode
+
+    def _check_vllm(self) -> None:
+        """rollout.vllm sizes the vllm engine; rollout.weights chooses the hf loop's source."""
+        rollout = self.rollout
+        if rollout.name != "vllm":
+            for key in type(rollout.vllm).model_fields:
+                if _differs_from_default(rollout.vllm, key):
+                    raise _cross(f"rollout.vllm.{key}", getattr(rollout.vllm, key),
+                                 f"sizes the vllm engine; rollout.name={rollout.name}")
+            return
+        if rollout.weights == "copy":
+            raise _cross("rollout.weights", "copy", "chooses the hf loop's source; the vllm engine holds its own "
+                         "copy of the weights")
+        if rollout.vllm.memory_share is not None and rollout.vllm.kv_cache_gib is not None:
+            raise _cross("rollout.vllm.memory_share", rollout.vllm.memory_share, "set memory_share or "
+                         "kv_cache_gib, not both (an explicit KV cache ignores the share)")
 
     def _check_rollout_correction(self) -> None:
         """A setting of the correction that changes nothing in this config is refused."""

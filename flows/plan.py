@@ -177,6 +177,11 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
 
         check_fits(engine, ray.cluster_resources())
     check_lora(cfg, model_path)
+    if cfg.rollout.name == "vllm":
+        from engine.rollout.vllm import check_servable
+
+        engines = cfg.trainer.world_size + (cfg.placement.rollout_ranks if cfg.placement.mode == "split" else 0)
+        check_servable(model_path, cfg.rollout.vllm, engines=engines, lora_saved=cfg.actor.lora.modules_to_save)
     identity = model_identity(model_path)
     if resume:
         check_same_base(runs, run_id, identity)
@@ -340,7 +345,7 @@ def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str
         model_path=model_path, tokenizer_path=tokenizer_path, dtype=cfg.model.dtype,
         trust_remote_code=cfg.model.trust_remote_code, rollout=cfg.rollout, actor=actor, ref=cfg.ref,
         use_ref=cfg.needs_ref, total_iterations=cfg.trainer.total_iterations, seed=cfg.trainer.seed,
-        sandbox_isolation=cfg.reward.sandbox.isolation,
+        sandbox_isolation=cfg.reward.sandbox.isolation, max_model_len=cfg.max_model_len,
     )
     rm_cfg = cfg.reward.model
     reward_model = None

@@ -63,8 +63,12 @@ def test_gae_with_a_critic_is_accepted() -> None:
         (["actor.loss_agg_mode=mean"], "actor.loss_agg_mode='mean' is not allowed: must be one of"),
         (["actor.lr"], "override 'actor.lr' is not key=value"),
         (["lr=1"], "override key 'lr' must be section.field"),
-        (["rollout.name=vllm"], "rollout.name='vllm' is not allowed: the vLLM backend needs a GPU build that is "
-                                "not there yet"),
+        (["rollout.vllm.kv_cache_gib=1"], "rollout.vllm.kv_cache_gib=1.0 is not allowed: sizes the vllm engine; "
+                                          "rollout.name=hf"),
+        (["rollout.name=vllm", "rollout.weights=copy"], "rollout.weights='copy' is not allowed: chooses the hf "
+                                                         "loop's source"),
+        (["rollout.name=vllm", "rollout.vllm.kv_cache_gib=1", "rollout.vllm.memory_share=0.2"],
+         "rollout.vllm.memory_share=0.2 is not allowed: set memory_share or kv_cache_gib, not both"),
     ],
 )
 def test_bad_values_fail_with_one_message_naming_key_and_value(overrides: list[str], expected: str) -> None:

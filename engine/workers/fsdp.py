@@ -164,6 +164,39 @@ def gather_full(params: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tenso
     return result
 
 
+def stream_full(model: nn.Module, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's full weights as (transformers name, tensor) pairs, gathered from the shards a bucket at a
+    time as they are consumed (one all-gather per bucket, the same on every rank, in parameter order): no
+    full state dict is built. LoRA layers come merged, W + scaling * B @ A under the base weight's name,
+    their adapters not sent (the adapters, small, are gathered first)."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    adapters = gather_full([(n, p) for n, p in model.named_parameters() if ".lora_" in n]) if layers else {}
+    params = [(n, p) for n, p in model.named_parameters() if ".lora_" not in n]
+
+    def merged(name: str, full: torch.Tensor) -> tuple[str, torch.Tensor]:
+        owner, _, rest = name.partition(".base_layer.")
+        if not rest:
+            return name, full
+        layer = layers[owner]
+        if rest == "weight":
+            delta = adapters[f"{owner}.lora_B.default.weight"].float() @ adapters[f"{owner}.lora_A.default.weight"].float()
+            delta = delta * layer.scaling["default"]
+            full = (full.float() + (delta.T if getattr(layer, "fan_in_fan_out", False) else delta)).to(full.dtype)
+        return f"{owner}.{rest}", full
+
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for i, (name, p) in enumerate(params):
+        bucket.append((name, p))
+        size += p.numel() * p.element_size()
+        if size >= bucket_bytes or i == len(params) - 1:
+            for key, full in gather_full(bucket).items():
+                yield merged(key, full)
+            bucket, size = [], 0
+
+
 def _sharded_dim0(t: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor, Shard
 

