@@ -324,6 +324,8 @@ class RLConfig(BaseModel):
         if rollout.weights == "copy":
             raise _cross("rollout.weights", "copy", "chooses the hf loop's source; the vllm engine holds its own "
                          "copy of the weights")
+        if rollout.temperature > 2:
+            raise _cross("rollout.temperature", rollout.temperature, "vLLM samples with a temperature up to 2")
         if rollout.vllm.memory_share is not None and rollout.vllm.kv_cache_gib is not None:
             raise _cross("rollout.vllm.memory_share", rollout.vllm.memory_share, "set memory_share or "
                          "kv_cache_gib, not both (an explicit KV cache ignores the share)")

@@ -67,6 +67,8 @@ def test_gae_with_a_critic_is_accepted() -> None:
                                           "rollout.name=hf"),
         (["rollout.name=vllm", "rollout.weights=copy"], "rollout.weights='copy' is not allowed: chooses the hf "
                                                          "loop's source"),
+        (["rollout.name=vllm", "rollout.temperature=3"], "rollout.temperature=3.0 is not allowed: vLLM samples "
+                                                          "with a temperature up to 2"),
         (["rollout.name=vllm", "rollout.vllm.kv_cache_gib=1", "rollout.vllm.memory_share=0.2"],
          "rollout.vllm.memory_share=0.2 is not allowed: set memory_share or kv_cache_gib, not both"),
     ],

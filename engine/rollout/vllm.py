@@ -73,8 +73,8 @@ def _process_state_kept() -> Iterator[None]:
 class VLLMRollout:
     """A vLLM `LLM` over the model at `model_path` (its weights replaced by `load_weights` after updates)."""
 
-    def __init__(self, model_path: str, *, cfg: VllmConfig, max_model_len: int, dtype: str, stop_ids: list[int],
-                 pad_token_id: int, seed: int, trust_remote_code: bool = False) -> None:
+    def __init__(self, model_path: str, *, tokenizer_path: str, cfg: VllmConfig, max_model_len: int, dtype: str,
+                 stop_ids: list[int], pad_token_id: int, seed: int, trust_remote_code: bool = False) -> None:
         for key, value in VLLM_ENV.items():
             os.environ.setdefault(key, value)
         with _process_state_kept():
@@ -83,7 +83,7 @@ class VLLMRollout:
             memory: dict[str, Any] = cfg.sizing()
             self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, seed=seed,
                            enforce_eager=cfg.enforce_eager, logprobs_mode="processed_logprobs",
-                           skip_tokenizer_init=True, trust_remote_code=trust_remote_code, **memory)
+                           tokenizer=tokenizer_path, trust_remote_code=trust_remote_code, **memory)
         self.stop_ids = sorted(stop_ids)
         self.pad_token_id = pad_token_id
         self.max_model_len = max_model_len

@@ -73,7 +73,7 @@ def vllm_engine(spec: PolicySpec) -> dict[str, Any]:
     """engine.rollout.vllm.VLLMRollout's keywords for this spec: the actor's compute precision, a seed of
     the run's."""
     dtype = "bfloat16" if spec.actor.mixed_precision == "bf16" else spec.dtype
-    return {"model_path": spec.model_path, "cfg": spec.rollout.vllm, "max_model_len": spec.max_model_len,
+    return {"model_path": spec.model_path, "tokenizer_path": spec.tokenizer_path, "cfg": spec.rollout.vllm, "max_model_len": spec.max_model_len,
             "dtype": dtype, "seed": derive_seed(spec.seed, 0, "vllm-engine") % 2**32,
             "trust_remote_code": spec.trust_remote_code}
 

@@ -22,6 +22,7 @@ def pair(tiny_model_dir: Path):  # noqa: ANN201
     tok = load_tokenizer(str(tiny_model_dir))
     stops = sorted(stop_token_ids(tok, model))
     vllm = make_rollout("vllm", None, int(tok.pad_token_id), stops, model_path=str(tiny_model_dir),
+                        tokenizer_path=str(tiny_model_dir),
                         cfg=VllmConfig(kv_cache_gib=0.25), max_model_len=128, dtype="float32", seed=0)
     rows = make_rows("arith", 12, seed=3)
     enc = encode_prompts(tok, [r["prompt"] for r in rows])

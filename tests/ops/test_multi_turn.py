@@ -8,6 +8,9 @@ rollout.multi_turn on (engine.builtin_tools:calculator).
 - The flow process and its engine killed after an update, then resumed: the uninterrupted run's weights bit
   for bit, every complete buffer kept. A stage failing past its retries: run again, the rollout is reused.
 - A tool that breaks gives error observations, never a failed rollout.
+- rollout.name=vllm (a vLLM engine in each policy rank), with dynamic sampling and validation on in the
+  same run: tool calls answered, observations as holes with rollout log-probs of 0, kept groups that
+  differ; killed after an update and resumed, the uninterrupted vLLM run's weights bit for bit.
 """
 
 from __future__ import annotations
@@ -149,3 +152,61 @@ def test_a_broken_tool_gives_error_observations(warm_cli: WarmCli, calc_model_di
     turns = [t for row in rollout["turns"] for t in json.loads(row) if t["role"] == "tool"]
     assert all(t["content"].startswith("error: ") for t in turns)  # a malformed call's error, or the tool's
     assert "error: calculator failed: RuntimeError: the tool broke" in [t["content"] for t in turns]
+
+
+# -- rollout.name=vllm: the same tool-use model, vLLM engines in the 2 policy ranks -------------------------
+VLLM = ("rollout.name=vllm", "rollout.vllm.kv_cache_gib=0.25")
+
+
+def vllm_args(model: Path, root: Path, run_id: str, *extra: str) -> list[str]:
+    """The run above on vLLM, with DAPO's dynamic sampling and validation every iteration."""
+    return args(model, root, run_id, "trainer.val_every=1", "algorithm.filter_groups=true",
+                "algorithm.max_num_gen_batches=2", *VLLM, *extra)
+
+
+@pytest.fixture(scope="module")
+def vllm_reference(warm_cli: WarmCli, calc_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("vllm-reference")
+    proc = warm_cli("train", *vllm_args(calc_model_dir, root, "vllm-ref"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads((root / "vllm-ref" / "metrics" / f"iter_{i:06d}.json").read_text())
+             for i in range(1, ITERATIONS + 1)]
+    return {"root": root, "weights": weights(root, "vllm-ref"), "metrics": lines}
+
+
+def test_tools_dynamic_sampling_and_validation_with_vllm(vllm_reference: dict, calc_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(calc_model_dir)
+    root, calls = vllm_reference["root"], 0
+    for i, line in enumerate(vllm_reference["metrics"], start=1):
+        assert "val/score/mean" in line  # validated every iteration, greedily, by the engines
+        rollout, reward = buffer(root, "vllm-ref", i, "rollout"), buffer(root, "vllm-ref", i, "reward")
+        p = rollout["prompt_ids"].shape[1]
+        holes = rollout["attention_mask"][:, p:].bool() & ~rollout["response_mask"].bool()
+        assert bool((rollout["rollout_logp"][holes] == 0).all())
+        assert bool((rollout["rollout_logp"][rollout["response_mask"].bool()] < 0).any())
+        for r in range(len(rollout)):
+            if int(rollout["tool_calls"][r]):
+                text = tokenizer.decode(rollout["responses"][r][holes[r]].tolist())
+                assert text.startswith("\n<tool_response>\n"), text  # the observation is in the hole
+                calls += int(rollout["tool_calls"][r])
+        kept = int(line["sampling/groups_kept"])
+        varied = reward["score"].view(-1, N).std(dim=1) > 0
+        assert varied.tolist()[:kept] == [True] * kept
+    assert calls > 0, "the model made no tool call under vLLM: the test checks nothing"
+
+
+def test_killed_vllm_run_resumes_like_the_uninterrupted_one(cli: Cli, warm_cli: WarmCli, calc_model_dir: Path,
+                                                           tmp_path: Path, vllm_reference: dict) -> None:
+    killed = cli("train", *vllm_args(calc_model_dir, tmp_path, "vllm-kill", *KILL_AFTER_UPDATE_2))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert cli("engine", "stop", "vllm-kill").returncode == 0
+    assert metrics_done(tmp_path, "vllm-kill") == [0, 1]  # 0: the validation before training
+    before = buffers(tmp_path, "vllm-kill")
+    again = warm_cli("train", "--resume", "vllm-kill", f"storage.root={tmp_path}", *TOOL)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "restored checkpoint step 1" in again.stdout + again.stderr
+    after = buffers(tmp_path, "vllm-kill")
+    assert all(after[k] == v for k, v in before.items())  # every complete buffer kept, none rewritten
+    assert_equal_weights(weights(tmp_path, "vllm-kill"), vllm_reference["weights"])
