@@ -34,10 +34,10 @@ class RolloutOutput:
 class RolloutBackend(Protocol):
     """What a policy or rollout rank holds (rollout.name picks the class: engine/rollout/__init__.py)."""
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> int:
         """New weights, as (name, full tensor) pairs under the transformers model's names, consumed one at a
         time (a generator may gather each one from the FSDP shards as it is asked for it): all of them, or
-        with `partial` a part (LoRA on the hf backend: the adapters)."""
+        with `partial` a part (LoRA on the hf backend: the adapters). Returns the bytes taken."""
         ...
 
     def generate(

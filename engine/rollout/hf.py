@@ -27,12 +27,14 @@ class HFRollout:
         self.stop_ids = sorted(stop_ids)
         self._cache_arg = cache_argument(model)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> int:
         """The new weights: all of them (strict: a renamed or missing weight must fail here, not generate
         from stale values), or with `partial` a part (LoRA: the adapters), each name known to the model."""
-        result = self.model.load_state_dict(dict(weights), strict=not partial)
+        state = dict(weights)
+        result = self.model.load_state_dict(state, strict=not partial)
         if result.unexpected_keys:
             raise RuntimeError(f"the rollout model has no {result.unexpected_keys[:3]}")
+        return sum(t.numel() * t.element_size() for t in state.values())
 
     @torch.no_grad()
     def generate(

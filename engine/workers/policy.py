@@ -73,8 +73,8 @@ def vllm_engine(spec: PolicySpec) -> dict[str, Any]:
     """engine.rollout.vllm.VLLMRollout's keywords for this spec: the actor's compute precision, a seed of
     the run's."""
     dtype = "bfloat16" if spec.actor.mixed_precision == "bf16" else spec.dtype
-    return {"model_path": spec.model_path, "tokenizer_path": spec.tokenizer_path, "cfg": spec.rollout.vllm, "max_model_len": spec.max_model_len,
-            "dtype": dtype, "seed": derive_seed(spec.seed, 0, "vllm-engine") % 2**32,
+    return {"model_path": spec.model_path, "tokenizer_path": spec.tokenizer_path, "cfg": spec.rollout.vllm,
+            "max_model_len": spec.max_model_len, "dtype": dtype, "seed": derive_seed(spec.seed, 0, "vllm-engine") % 2**32,
             "trust_remote_code": spec.trust_remote_code}
 
 
@@ -319,20 +319,11 @@ class PolicyWorker(RankWorker):
         start = time.perf_counter()
         sent = 0
         if self.vllm:  # streamed from the shards, bucket by bucket, into the engine (LoRA: merged)
-            sizes: list[int] = []
-
-            def counted() -> Iterator[tuple[str, torch.Tensor]]:
-                for name, tensor in fsdp.stream_full(self.actor, SYNC_BUCKET_BYTES):
-                    sizes.append(tensor.numel() * tensor.element_size())
-                    yield name, tensor
-
             self.rollout.wake()
-            self.rollout.load_weights(counted())
-            sent = sum(sizes)
+            sent = self.rollout.load_weights(fsdp.stream_full(self.actor, SYNC_BUCKET_BYTES))
         elif self.rollout_model is not None:
             state = fsdp.full_state_dict(self.actor, trainable_only=self.peft is not None)
-            sent = sum(t.numel() * t.element_size() for t in state.values())
-            self.rollout.load_weights(state.items(), partial=self.peft is not None)
+            sent = self.rollout.load_weights(state.items(), partial=self.peft is not None)
         return {"timing_s/weight_sync": time.perf_counter() - start, "perf/weight_sync_mb": sent / 2**20}
 
     def join_sync_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:

