@@ -276,15 +276,17 @@ def rloo(
 def _discounted_returns(
     token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float
 ) -> torch.Tensor:
-    """G_t = r_t + gamma * G_{t+1}, the running sum reset to 0 where the mask is 0
-    (verl `compute_reinforce_plus_plus_outcome_advantage`). [B, T] -> [B, T]."""
+    """G_t = r_t + gamma * G_{t'}, t' the next trained token: a token the mask leaves out (a tool's
+    observation between two turns, padding) is not a step of the policy, so the running return
+    passes over it unchanged, as in `gae`, and its own return is 0. (verl's
+    `compute_reinforce_plus_plus_outcome_advantage` resets the sum at every masked token: in a
+    multi-turn rollout every turn but the last would get return 0.) [B, T] -> [B, T]."""
     mask = response_mask.bool()
     running = torch.zeros_like(token_rewards[:, 0])  # [B]
     returns_reversed = []
     for t in reversed(range(token_rewards.shape[1])):
-        running = token_rewards[:, t] + gamma * running
-        returns_reversed.append(running)
-        running = torch.where(mask[:, t], running, torch.zeros_like(running))
+        running = torch.where(mask[:, t], token_rewards[:, t] + gamma * running, running)
+        returns_reversed.append(torch.where(mask[:, t], running, torch.zeros_like(running)))
     return torch.stack(returns_reversed[::-1], dim=1)  # T x [B] -> [B, T]
 
 

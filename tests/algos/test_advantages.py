@@ -163,14 +163,23 @@ def test_reinforce_plus_plus_hand_gamma_and_reset():
         token_rewards=rewards, response_mask=torch.ones(1, 3), group_ids=torch.zeros(1), gamma=0.5
     )
     close(returns, [[1.0, 2.0, 4.0]])
-    # a masked token in the middle resets the running return (verl): t=2 -> 2, t=1 -> 12 then
-    # reset, t=0 -> 1; masked positions are zeroed
+    # a masked token in the middle (a tool's observation) is passed over: t=2 -> 2, t=1 is not a
+    # step (its return 0, its reward never added), t=0 -> 1 + 0.5 * 2 = 2 (reset there, verl's way,
+    # gave 1: every turn before the last observation got return 0)
     _, returns = reinforce_plus_plus(
         token_rewards=torch.tensor([[1.0, 10.0, 2.0]]),
         response_mask=torch.tensor([[1.0, 0.0, 1.0]]),
         group_ids=torch.zeros(1),
+        gamma=0.5,
     )
-    close(returns, [[1.0, 0.0, 2.0]])
+    close(returns, [[2.0, 0.0, 2.0]])
+    # two turns, the outcome reward on the last token: every trained token of both turns returns it
+    _, returns = reinforce_plus_plus(
+        token_rewards=torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0, 0.0]]),
+        response_mask=torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 0.0]]),
+        group_ids=torch.zeros(1),
+    )
+    close(returns, [[1.0, 1.0, 0.0, 0.0, 1.0, 0.0]])
 
 
 def test_remax_hand():
