@@ -242,10 +242,6 @@ class RLConfig(BaseModel):
         if not mt.tools:
             raise _cross("rollout.multi_turn.enable", True, "needs at least one tool: set rollout.multi_turn.tools "
                          "to 'module:function' or 'path/to/file.py:function'")
-        for key in ("packed_sequences", "share_prompts"):
-            if getattr(self.actor, key) is True:
-                raise _cross(f"actor.{key}", True, "cannot be combined with multi-turn rollouts (their responses "
-                             "have tool observations inside): leave it at its default")
 
     def _check_reward_model(self) -> None:
         model = self.reward.model

@@ -335,11 +335,8 @@ def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str
     rm_ranks = cfg.reward.model.ranks if cfg.reward.model.enabled and cfg.reward.model.placement == "pool" else 0
     ranks = cfg.trainer.world_size + rollout_ranks + rm_ranks
     threads = place.cpus_per_rank or max(1, (os.cpu_count() or 1) // ranks)
-    # Multi-turn responses have observation holes: forward passes take the padded layout (share_prompts=auto
-    # means off there; true and packed_sequences are refused by the config).
-    actor = cfg.actor.model_copy(update={"share_prompts": False}) if cfg.rollout.multi_turn.enable else cfg.actor
     # The ranks get the correction's mode resolved (auto: truncate for an asynchronous run, else none).
-    actor = actor.model_copy(update={"rollout_correction": actor.rollout_correction.model_copy(
+    actor = cfg.actor.model_copy(update={"rollout_correction": cfg.actor.rollout_correction.model_copy(
         update={"mode": cfg.rollout_correction_mode})})
     policy = PolicySpec(
         model_path=model_path, tokenizer_path=tokenizer_path, dtype=cfg.model.dtype,

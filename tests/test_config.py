@@ -295,8 +295,6 @@ def test_safe_rl_settings_without_a_cost_and_its_limit_are_refused(overrides: li
     (["rollout.multi_turn.max_turns=4"], "rollout.multi_turn.max_turns=4 is not allowed: is a setting of multi-turn "
                                          "rollouts: it needs rollout.multi_turn.enable=true"),
     (["rollout.multi_turn.enable=true"], "rollout.multi_turn.enable=True is not allowed: needs at least one tool"),
-    (["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=engine.builtin_tools:calculator",
-      "actor.packed_sequences=true"], "actor.packed_sequences=True is not allowed: cannot be combined with multi-turn"),
     (["reward.model.ranks=2"], "reward.model.ranks=2 is not allowed: is a setting of the reward model: it needs "
                                "reward.model.path"),
     (["reward.rule_weight=0.5"], "reward.rule_weight=0.5 is not allowed: weighs the rule against a reward model"),

@@ -563,7 +563,9 @@ def _shared_prompt_logits(model: nn.Module, batch: Batch, unique: torch.Tensor, 
     cache.batch_select_indices(inverse)  # [U, ...] -> [B, ...], differentiable (an index)
     width = max(1, keep - 1)  # token j (j < keep-1) predicts token j+1; one column at least
     ids = batch["responses"][:, :width]
-    full_mask = torch.cat([mask[inverse], batch["response_mask"][:, :width]], dim=1)
+    # The response's attention columns, not its response mask: a multi-turn response's observations are
+    # read by the model though not trained on.
+    full_mask = torch.cat([mask[inverse], batch["attention_mask"][:, p : p + width]], dim=1)
     after_prompt = mask.sum(-1)[inverse].unsqueeze(1) + torch.arange(width).unsqueeze(0)
     rest = model(input_ids=ids, attention_mask=full_mask, position_ids=after_prompt, use_cache=True, **kwargs).logits
     return torch.cat([first, rest[:, : keep - 1].float()], dim=1)

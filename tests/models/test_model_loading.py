@@ -286,6 +286,31 @@ def test_shared_prompt_forward_runs_two_passes_whatever_the_data(tiny_dir: Path)
         torch.testing.assert_close(results[True][1][name], grad, rtol=1e-4, atol=1e-5)
 
 
+def test_every_layout_reads_a_multi_turn_response_with_its_observations(tiny_dir: Path) -> None:
+    """A multi-turn response has holes in its response mask (a tool's observation: read by the model, not
+    trained): the shared-prompt and packed forwards attend to them as the padded forward does (the
+    shared forward used the response mask as attention: every token after an observation was off)."""
+    from engine.batch import Batch
+    from engine.workers.policy import response_logits
+
+    model, tokenizer = load_model_and_tokenizer(ModelConfig(path=str(tiny_dir)), task="arith")
+    enc = encode_prompts(tokenizer, [[{"role": "user", "content": t}] for t in ("12+3=", "1+2=")])
+    which = [0, 0, 1]
+    responses = torch.randint(3, 20, (3, 8), generator=torch.Generator().manual_seed(0))
+    # row 0: 2 generated, 3 observation, 2 generated, 1 pad; row 1: no observation; row 2: 1, 2 obs, 4
+    attention = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0]])
+    response_mask = torch.tensor([[1, 1, 0, 0, 0, 1, 1, 0], [1, 1, 1, 1, 0, 0, 0, 0], [1, 0, 0, 1, 1, 1, 1, 0]])
+    responses = responses * attention
+    batch = Batch({"input_ids": torch.cat([enc.input_ids[which], responses], 1),
+                   "attention_mask": torch.cat([enc.attention_mask[which], attention], 1),
+                   "responses": responses, "response_mask": response_mask}, {})
+    with torch.no_grad():
+        padded, shared, packed = (response_logits(model, batch, 1.0, layout) for layout in ("padded", "shared", "packed"))
+    trained = response_mask.bool()
+    assert float((shared - padded)[trained].abs().max()) <= 1e-5
+    assert float((packed - padded)[trained].abs().max()) <= 1e-5
+
+
 def test_length_order_keeps_prompt_groups_together() -> None:
     from engine.batch import Batch
     from engine.workers.fsdp import length_order
