@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import torch
 
 from engine import algos
-from engine.batch import Batch
+from engine.batch import Batch, response_lengths
 from engine.config import AlgorithmConfig
 
 
@@ -73,7 +73,7 @@ def compute_advantages(
 def data_metrics(batch: Batch, max_new_tokens: int) -> dict[str, float]:
     """verl's data metrics of an iteration: scores, rewards, advantages, returns, values, lengths."""
     mask = batch["response_mask"].bool()
-    lengths = batch["response_mask"].sum(-1).float()  # [B]
+    lengths = response_lengths(batch).float()  # [B] generated and observation tokens: the limit's count
     metrics: dict[str, float] = {}
     per_seq = {
         "critic/score": batch["token_scores"].sum(-1).float(),

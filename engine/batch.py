@@ -346,6 +346,16 @@ class Batch:
 # ===================================================================== validation
 
 
+def response_lengths(batch: Batch) -> torch.Tensor:
+    """[B] each response's length, the one definition every length uses (DAPO's overlong shaping,
+    response_length/*, its clip ratio, the micro-batch order): its tokens counted against
+    rollout.max_new_tokens, those generated and, in a multi-turn response, the tools' observations
+    between them (not trained on, but they take the same room), never its padding. That is the
+    response's columns of the attention mask; the response mask holds only the trained tokens."""
+    t = batch["responses"].shape[1]
+    return batch["attention_mask"][:, -t:].sum(-1)
+
+
 def _check_types(tensors: Any, columns: Any, meta: Any) -> None:
     if not isinstance(tensors, dict) or not isinstance(columns, dict) or not isinstance(meta, dict):
         raise TypeError("Batch tensors, columns and meta must be dicts")

@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from engine.advantage import compute_advantages as advantage_math
 from engine.advantage import data_metrics
 from engine.algos import last_index, update_multiplier
-from engine.batch import Batch
+from engine.batch import Batch, response_lengths
 from engine.config import RewardConfig
 from engine.errors import EngineDeadError, RewardError, VersionMismatchError
 from engine.models import decode_responses
@@ -320,7 +320,7 @@ def rule_scores(ctx: StageContext, batch: Batch) -> tuple[torch.Tensor, torch.Te
     rule = _score(ctx, batch)
     if not ctx.plan.reward.overlong_buffer_len:
         return rule, torch.zeros_like(rule), {}
-    penalty = overlong_penalty(batch["response_mask"].sum(dim=1), ctx.plan.rollout.max_new_tokens,
+    penalty = overlong_penalty(response_lengths(batch), ctx.plan.rollout.max_new_tokens,
                                ctx.plan.reward.overlong_buffer_len, ctx.plan.reward.overlong_penalty_factor)
     return rule, penalty, {"reward/overlong_penalty_mean": float(penalty.mean()),
                            "reward/overlong_share": float((penalty < 0).float().mean())}
@@ -603,7 +603,7 @@ def validate(plan: RunPlan, iteration: int) -> StageResult:
     # stage: a retried validation replaces them).
     write_buffer(ctx.store, ctx.plan.run_id, iteration, "validation", out.with_tensors(score=score))
     metrics = {"val/score/mean": float(score.mean()), "timing_s/validate": time.perf_counter() - start,
-               "val/response_length/mean": float(out["response_mask"].sum(-1).float().mean())}
+               "val/response_length/mean": float(response_lengths(out).float().mean())}
     if "tool_calls" in out:
         metrics.update(tool_metrics(out, "val/tools"))
     for source in sorted(set(out["data_source"])):

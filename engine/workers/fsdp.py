@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from engine import algos, checkpoint_io
-from engine.batch import Batch
+from engine.batch import Batch, response_lengths
 from engine.config import OptimConfig
 
 
@@ -395,7 +395,7 @@ def length_order(batch: Batch, group_prompts: bool) -> torch.Tensor:
     """Row order by response length (stable). With `group_prompts`, rows with the same prompt stay
     together, groups ordered by their longest response, so that a micro-batch holds whole groups whose
     prompt runs once (policy.response_logits)."""
-    lengths = batch["response_mask"].sum(-1)
+    lengths = response_lengths(batch)
     if not group_prompts or len(lengths) == 0:
         return torch.argsort(lengths, stable=True)
     unique, group = prompt_groups(batch)
