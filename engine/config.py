@@ -228,9 +228,10 @@ class RolloutCorrectionConfig(Section):
     mode: Literal["auto", "none", "truncate", "mask"] = Field(
         "auto", description="auto: truncate for an asynchronous run (trainer.max_staleness > 0), none otherwise; "
         "none: no correction; truncate: min(w, upper); mask: w inside [lower, upper], 0 outside")
-    level: Literal["token", "sequence"] = Field(
-        "token", description="token: each token's own ratio; sequence: the product of a response's token ratios, "
-        "one weight for all its tokens")
+    level: Literal["auto", "token", "sequence"] = Field(
+        "auto", description="token: each token's own ratio; sequence: the product of a response's token ratios, "
+        "one weight for all its tokens; auto: sequence with actor.policy_loss=gspo (its ratio is a sequence's), "
+        "token otherwise")
     upper: float = Field(2.0, ge=1, description="truncate: the cap of w; mask: the largest w kept")
     lower: float = Field(0.5, gt=0, le=1, description="mask: the smallest w kept")
 
@@ -243,9 +244,10 @@ class ActorConfig(OptimConfig):
     clip_high: float = Field(0.2, ge=0)
     clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip constant for negative advantages")
     loss_agg_mode: str = Field(
-        "token-mean", description="token-mean, seq-mean-token-sum, seq-mean-token-mean, or seq-mean-token-sum-norm "
+        "auto", description="token-mean, seq-mean-token-sum, seq-mean-token-mean, or seq-mean-token-sum-norm "
         "(Dr. GRPO: each response's token sum divided by rollout.max_new_tokens, averaged over responses); the "
-        "aggregate is over the global mini-batch whatever the micro-batch size and the number of ranks")
+        "aggregate is over the global mini-batch whatever the micro-batch size and the number of ranks; auto: "
+        "seq-mean-token-mean with policy_loss=gspo (the GSPO paper's), token-mean otherwise")
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.001, ge=0)
     kl_loss_type: str = Field("k3", description="a KL estimator name: k1, abs, k2, k3")
@@ -282,6 +284,21 @@ class ActorConfig(OptimConfig):
         return self
 
     @property
+    def agg_mode(self) -> str:
+        """loss_agg_mode with auto resolved: GSPO's sequence-level aggregate, else token-mean."""
+        if self.loss_agg_mode != "auto":
+            return self.loss_agg_mode
+        return "seq-mean-token-mean" if self.policy_loss == "gspo" else "token-mean"
+
+    @property
+    def correction_level(self) -> Literal["token", "sequence"]:
+        """rollout_correction.level with auto resolved: a sequence's weight for GSPO's sequence ratio."""
+        level = self.rollout_correction.level
+        if level != "auto":
+            return level
+        return "sequence" if self.policy_loss == "gspo" else "token"
+
+    @property
     def forward_layout(self) -> Literal["shared", "packed", "padded"]:
         """How a micro-batch's rows run through the model (policy.response_logits)."""
         if self.packed_sequences:
@@ -298,7 +315,14 @@ class ActorConfig(OptimConfig):
     @field_validator("loss_agg_mode")
     @classmethod
     def _known_agg_mode(cls, v: str) -> str:
-        return _one_of(v, _agg_modes())
+        return _one_of(v, ("auto", *_agg_modes()))
+
+    @model_validator(mode="after")
+    def _gspo_weighs_sequences(self) -> ActorConfig:
+        if self.policy_loss == "gspo" and self.rollout_correction.level == "token":
+            raise ValueError("rollout_correction.level=token cannot be combined with policy_loss=gspo: GSPO's ratio is "
+                             "one per sequence, so its correction weight is too; set level=sequence or auto")
+        return self
 
     @field_validator("kl_loss_type")
     @classmethod

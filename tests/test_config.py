@@ -229,6 +229,22 @@ def test_rollout_correction_modes() -> None:
         load_config(None, ["actor.rollout_correction.mode=clip"])
 
 
+def test_gspo_aggregates_and_corrects_per_sequence() -> None:
+    """GSPO's ratio is one per sequence: by default its loss is the paper's sequence-level aggregate
+    (seq-mean-token-mean; on main token-mean) and its correction weight is a sequence's; a token-level
+    weight on it is refused. Other losses keep token-mean and token weights; an explicit choice stands."""
+    gspo = load_config(None, ["actor.policy_loss=gspo", "actor.rollout_correction.mode=truncate"])
+    assert (gspo.actor.agg_mode, gspo.actor.correction_level) == ("seq-mean-token-mean", "sequence")
+    ppo = load_config(None, ["actor.rollout_correction.mode=truncate"])
+    assert (ppo.actor.agg_mode, ppo.actor.correction_level) == ("token-mean", "token")
+    chosen = load_config(None, ["actor.policy_loss=gspo", "actor.loss_agg_mode=token-mean"])
+    assert chosen.actor.agg_mode == "token-mean"
+    with pytest.raises(ConfigError, match=re.escape("rollout_correction.level=token cannot be combined with "
+                                                    "policy_loss=gspo")):
+        load_config(None, ["actor.policy_loss=gspo", "actor.rollout_correction.mode=truncate",
+                           "actor.rollout_correction.level=token"])
+
+
 def test_a_saved_config_builds_again() -> None:
     """run.json holds every default written out; a resume re-reads it, so the refusals of settings that a
     mode ignores must not fire on a default (the CI failure of every colocated --resume)."""

@@ -221,7 +221,7 @@ class PolicyWorker(RankWorker):
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this update's optimizer steps use
         self._is_weight_max = 0.0
         local = fsdp.train_epochs(batch, model=self.actor, optimizer=self.optimizer, cfg=self.spec.actor,
-                                  loss_agg_mode=self.spec.actor.loss_agg_mode, generator=gen,
+                                  loss_agg_mode=self.spec.actor.agg_mode, generator=gen,
                                   micro_loss=self._micro_loss, grad_norm_key="actor/grad_norm",
                                   after_backward=self._maybe_exit,
                                   group_prompts=self.spec.actor.forward_layout == "shared")
@@ -246,13 +246,13 @@ class PolicyWorker(RankWorker):
         own code path (accumulate_gradients), with the micro-batching and aggregation overridable."""
         actor = self.spec.actor.model_copy(update={
             "micro_batch_size": micro_batch_size or self.spec.actor.micro_batch_size,
-            "loss_agg_mode": loss_agg_mode or self.spec.actor.loss_agg_mode,
+            "loss_agg_mode": loss_agg_mode or self.spec.actor.agg_mode,
             "max_tokens_per_micro_batch": max_tokens_per_micro_batch or self.spec.actor.max_tokens_per_micro_batch})
         saved, self.spec = self.spec, self.spec.model_copy(update={"actor": actor})
         try:
             self.actor.train()
             self.optimizer.zero_grad(set_to_none=True)
-            fsdp.accumulate_gradients(batch, model=self.actor, cfg=actor, loss_agg_mode=actor.loss_agg_mode,
+            fsdp.accumulate_gradients(batch, model=self.actor, cfg=actor, loss_agg_mode=actor.agg_mode,
                                       micro_loss=self._micro_loss, group_prompts=actor.forward_layout == "shared")
             return fsdp.full_gradients(self.actor)
         finally:
@@ -285,25 +285,25 @@ class PolicyWorker(RankWorker):
             corr = cfg.rollout_correction
             weights, is_stats = algos.rollout_correction(
                 old_logp=old_logp, rollout_logp=micro["rollout_logp"], response_mask=mask,
-                mode=corr.mode, level=corr.level, upper=corr.upper, lower=corr.lower)  # type: ignore[arg-type]
+                mode=corr.mode, level=cfg.correction_level, upper=corr.upper, lower=corr.lower)  # type: ignore[arg-type]
             self._is_weight_max = max(self._is_weight_max, float(is_stats.pop("is_weight_max")))
             adv = adv * weights  # = weights x the clipped surrogate (engine.algos.correction)
         pg_loss, pg_stats = policy_loss(
             logp=logp, old_logp=old_logp, adv=adv,
             response_mask=mask,
             clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c,
-            loss_agg_mode=cfg.loss_agg_mode, max_response_length=length,
+            loss_agg_mode=cfg.agg_mode, max_response_length=length,
         )
         with torch.set_grad_enabled(cfg.entropy_coeff > 0 and torch.is_grad_enabled()):  # else a statistic only
             entropy = algos.agg_loss(loss_mat=algos.entropy_from_logits(logits), loss_mask=mask,
-                                     loss_agg_mode=cfg.loss_agg_mode, max_response_length=length)
+                                     loss_agg_mode=cfg.agg_mode, max_response_length=length)
         loss = pg_loss - cfg.entropy_coeff * entropy if cfg.entropy_coeff > 0 else pg_loss
         stats = {"actor/pg_loss": pg_loss.detach(), "actor/entropy": entropy.detach(),
                  **{f"actor/{k}": v.detach() for k, v in pg_stats.items()},
                  **{f"rollout_corr/{k}": v.detach() for k, v in is_stats.items()}}
         if cfg.use_kl_loss:
             kl, _ = algos.kl_loss(logp=logp, ref_logp=micro["ref_logp"], response_mask=mask,
-                                  estimator=cfg.kl_loss_type, loss_agg_mode=cfg.loss_agg_mode,
+                                  estimator=cfg.kl_loss_type, loss_agg_mode=cfg.agg_mode,
                                   max_response_length=length)
             loss = loss + cfg.kl_loss_coef * kl
             stats["actor/kl_loss"] = kl.detach()
