@@ -211,7 +211,42 @@ class RLConfig(BaseModel):
                 spec.name,
                 "needs a critic for its values: set critic.enable=true, or use a critic-free estimator",
             )
+        if self.critic.enable and not spec.needs_values:
+            raise _cross("critic.enable", True, f"trains a critic whose values nothing reads: "
+                         f"algorithm.adv_estimator={spec.name} does not use values (gae does)")
+        self._check_unread_settings(spec)
         return self
+
+    def _check_unread_settings(self, spec: Any) -> None:
+        """A setting that the chosen estimator, KL or loss never reads is refused (its value would change
+        nothing)."""
+        algo, actor = self.algorithm, self.actor
+        from engine.algos import ADV_ESTIMATORS
+
+        readers = {key: sorted(e.name for e in ADV_ESTIMATORS.values() if arg in e.reads)
+                   for key, arg in (("gamma", "gamma"), ("lam", "lam"), ("norm_adv_by_std", "norm_by_std"))}
+        for key, arg in (("gamma", "gamma"), ("lam", "lam"), ("norm_adv_by_std", "norm_by_std")):
+            if arg not in spec.reads and _differs_from_default(algo, key):
+                raise _cross(f"algorithm.{key}", getattr(algo, key), f"algorithm.adv_estimator={spec.name} does not "
+                             f"read it (read by: {', '.join(readers[key])})")
+        if not algo.use_kl_in_reward:
+            for key in ("kl_penalty", "kl_ctrl", "kl_coef", "kl_target", "kl_horizon"):
+                if _differs_from_default(algo, key):
+                    raise _cross(f"algorithm.{key}", getattr(algo, key), "sets the KL penalty in the reward: it "
+                                 "needs algorithm.use_kl_in_reward=true")
+        elif algo.kl_ctrl == "fixed":
+            for key in ("kl_target", "kl_horizon"):
+                if _differs_from_default(algo, key):
+                    raise _cross(f"algorithm.{key}", getattr(algo, key), "steers the adaptive KL controller: it "
+                                 "needs algorithm.kl_ctrl=adaptive")
+        if not actor.use_kl_loss:
+            for key in ("kl_loss_coef", "kl_loss_type"):
+                if _differs_from_default(actor, key):
+                    raise _cross(f"actor.{key}", getattr(actor, key), "sets the KL loss: it needs "
+                                 "actor.use_kl_loss=true")
+        if actor.policy_loss == "gspo" and _differs_from_default(actor, "clip_ratio_c"):
+            raise _cross("actor.clip_ratio_c", actor.clip_ratio_c, "is dual-clip PPO's bound (ppo_clip); "
+                         "actor.policy_loss=gspo has no dual clip")
 
     def _check_safety(self) -> None:
         """A cost limit and a cost come together; the multiplier's settings need both."""

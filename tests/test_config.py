@@ -245,6 +245,48 @@ def test_gspo_aggregates_and_corrects_per_sequence() -> None:
                            "actor.rollout_correction.level=token"])
 
 
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["algorithm.norm_adv_by_std=false", "algorithm.adv_estimator=rloo"],
+     "algorithm.norm_adv_by_std=False is not allowed: algorithm.adv_estimator=rloo does not read it (read by: grpo)"),
+    (["algorithm.gamma=0.9"], "algorithm.gamma=0.9 is not allowed: algorithm.adv_estimator=grpo does not read it "
+                              "(read by: gae, reinforce_plus_plus)"),
+    (["algorithm.lam=0.95", "algorithm.adv_estimator=reinforce_plus_plus"],
+     "algorithm.lam=0.95 is not allowed: algorithm.adv_estimator=reinforce_plus_plus does not read it (read by: gae)"),
+    (["algorithm.kl_coef=0.1"], "algorithm.kl_coef=0.1 is not allowed: sets the KL penalty in the reward: it needs "
+                                "algorithm.use_kl_in_reward=true"),
+    (["algorithm.kl_ctrl=adaptive"], "algorithm.kl_ctrl='adaptive' is not allowed: sets the KL penalty in the reward"),
+    (["algorithm.use_kl_in_reward=true", "algorithm.kl_target=0.5"],
+     "algorithm.kl_target=0.5 is not allowed: steers the adaptive KL controller: it needs algorithm.kl_ctrl=adaptive"),
+    (["algorithm.use_kl_in_reward=true", "algorithm.kl_horizon=100"],
+     "algorithm.kl_horizon=100 is not allowed: steers the adaptive KL controller"),
+    (["actor.kl_loss_coef=0.1"], "actor.kl_loss_coef=0.1 is not allowed: sets the KL loss: it needs "
+                                 "actor.use_kl_loss=true"),
+    (["actor.kl_loss_type=k1"], "actor.kl_loss_type='k1' is not allowed: sets the KL loss"),
+    (["actor.policy_loss=gspo", "actor.clip_ratio_c=5"],
+     "actor.clip_ratio_c=5.0 is not allowed: is dual-clip PPO's bound (ppo_clip); actor.policy_loss=gspo has no dual clip"),
+    (["critic.enable=true"], "critic.enable=True is not allowed: trains a critic whose values nothing reads: "
+                             "algorithm.adv_estimator=grpo does not use values (gae does)"),
+])
+def test_settings_the_run_would_not_read_are_refused(overrides: list[str], message: str) -> None:
+    """Each of these changed nothing on main (accepted, never read in that configuration)."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, overrides)
+    # with what reads it, the same value is taken
+    readers = {"algorithm.norm_adv_by_std=false": ["algorithm.adv_estimator=grpo"],
+               "algorithm.gamma=0.9": ["algorithm.adv_estimator=reinforce_plus_plus"],
+               "algorithm.lam=0.95": ["algorithm.adv_estimator=gae", "critic.enable=true"],
+               "algorithm.kl_coef=0.1": ["algorithm.use_kl_in_reward=true"],
+               "algorithm.kl_ctrl=adaptive": ["algorithm.use_kl_in_reward=true"],
+               "algorithm.kl_target=0.5": ["algorithm.kl_ctrl=adaptive"],
+               "algorithm.kl_horizon=100": ["algorithm.kl_ctrl=adaptive"],
+               "actor.kl_loss_coef=0.1": ["actor.use_kl_loss=true"], "actor.kl_loss_type=k1": ["actor.use_kl_loss=true"],
+               "actor.clip_ratio_c=5": ["actor.policy_loss=ppo_clip"],
+               "critic.enable=true": ["algorithm.adv_estimator=gae"]}  # fmt: skip
+    setting = next(o for o in overrides if o.split("=")[0] in message.split(" is not allowed")[0])
+    rest = [o for o in overrides if o != setting and not o.startswith(("algorithm.adv_estimator", "actor.policy_loss"))]
+    load_config(None, [*rest, setting, *readers[setting]])
+
+
 def test_a_saved_config_builds_again() -> None:
     """run.json holds every default written out; a resume re-reads it, so the refusals of settings that a
     mode ignores must not fire on a default (the CI failure of every colocated --resume)."""

@@ -46,7 +46,8 @@ class AdvEstimator:
 
     needs_values: a critic's values [B, T] (GAE). needs_baseline: a per-response baseline
     reward [B] (ReMax's greedy response). group_based: statistics over responses sharing a
-    `group_ids` value, so rollouts need n >= 2 responses per prompt to be meaningful.
+    `group_ids` value, so rollouts need n >= 2 responses per prompt to be meaningful. reads: which of
+    the settings `gamma`, `lam`, `norm_by_std` it uses (the config refuses the others when set).
     """
 
     name: str
@@ -54,6 +55,7 @@ class AdvEstimator:
     needs_values: bool = False
     needs_baseline: bool = False
     group_based: bool = False
+    reads: frozenset[str] = frozenset()
 
     def __call__(
         self,
@@ -90,19 +92,23 @@ ADV_ESTIMATORS: dict[str, AdvEstimator] = {}
 
 
 def register_adv_estimator(
-    name: str, *, needs_values: bool = False, needs_baseline: bool = False, group_based: bool = False
+    name: str, *, needs_values: bool = False, needs_baseline: bool = False, group_based: bool = False,
+    reads: tuple[str, ...] = (),
 ) -> Callable[[AdvEstimatorFn], AdvEstimatorFn]:
     """Decorator: add `fn` to ADV_ESTIMATORS under `name` with its requirements."""
 
     def register(fn: AdvEstimatorFn) -> AdvEstimatorFn:
         if name in ADV_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered")
+        if set(reads) - {"gamma", "lam", "norm_by_std"}:
+            raise ValueError(f"advantage estimator {name!r}: reads={reads!r}; allowed: gamma, lam, norm_by_std")
         ADV_ESTIMATORS[name] = AdvEstimator(
             name=name,
             fn=fn,
             needs_values=needs_values,
             needs_baseline=needs_baseline,
             group_based=group_based,
+            reads=frozenset(reads),
         )
         return fn
 
@@ -160,7 +166,7 @@ def _broadcast(per_seq: torch.Tensor, response_mask: torch.Tensor) -> torch.Tens
 # ---------------------------------------------------------------------------------------------
 
 
-@register_adv_estimator("gae", needs_values=True)
+@register_adv_estimator("gae", needs_values=True, reads=("gamma", "lam"))
 @torch.no_grad()
 def gae(
     *,
@@ -196,7 +202,7 @@ def gae(
     return masked_whiten(adv, response_mask) * response_mask, returns
 
 
-@register_adv_estimator("grpo", group_based=True)
+@register_adv_estimator("grpo", group_based=True, reads=("norm_by_std",))
 @torch.no_grad()
 def grpo(
     *,
@@ -290,7 +296,7 @@ def _discounted_returns(
     return torch.stack(returns_reversed[::-1], dim=1)  # T x [B] -> [B, T]
 
 
-@register_adv_estimator("reinforce_plus_plus")
+@register_adv_estimator("reinforce_plus_plus", reads=("gamma",))
 @torch.no_grad()
 def reinforce_plus_plus(
     *,
