@@ -2,7 +2,7 @@
 
     sampler = PromptSampler(n_rows=len(train), batch_size=cfg.data.train_batch_size, seed=cfg.data.seed)
     indices = sampler.next_indices()          # one iteration's rows
-    state = sampler.state_dict()              # into trainer.json with the checkpoint
+    state = sampler.state_dict()              # where it is: (epoch, step)
     ...
     resumed = PromptSampler(len(train), cfg.data.train_batch_size, cfg.data.seed)
     resumed.load_state_dict(state)            # goes on exactly where `sampler` was

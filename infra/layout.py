@@ -1,4 +1,4 @@
-"""Names inside a run's folder (see DESIGN.md "Object storage"): one place that spells them."""
+"""Names inside a run's folder (docs/architecture.md "Object storage"): one place that spells them."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ Metrics: S3 has no append, and rewriting one metrics.jsonl per iteration is a re
 that grows with the run and loses a line to any concurrent or interrupted rewrite. So each finished
 iteration is its own small object, `metrics/iter_NNNNNN.json` (one JSON object, written atomically,
 idempotent when an iteration is redone); `read_metrics()` merges them in iteration order, and
-`metrics_jsonl()` gives the merged text: the metrics.jsonl view of DESIGN.md.
+`metrics_jsonl()` gives the merged text: the metrics.jsonl view (docs/architecture.md).
 
 The lease (`lock.json`) makes a second writer of the same run fail instead of interleaving:
 - acquire: conditional create (S3 `If-None-Match: *`, locally link(2)); if it exists and is held

@@ -1,4 +1,4 @@
-"""The type checker over the modules that are type-clean today (STYLE.md: a type checker in CI).
+"""The type checker over the modules that are type-clean today (a type checker in CI: docs/architecture.md).
 
 engine/workers, engine/engine.py, tasks/ and most of flows/ are not yet: `Batch.__getitem__` returns
 `Tensor | list`, so their tensor accesses need `batch.tensors[...]` first. Add modules here as they pass.

@@ -1,7 +1,7 @@
 """FSDP2 plumbing shared by the policy and critic ranks: sharding, optimizer, LR schedule, state.
 
 FSDP2 (`fully_shard`) is used because it trains on CPU with gloo; FSDP1 needs an accelerator and
-segfaults gathering with CPU offload (measured, see DESIGN.md).
+segfaults gathering with CPU offload (seen when it was written, not re-measured: docs/architecture.md).
 """
 
 from __future__ import annotations
