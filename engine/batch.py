@@ -351,9 +351,10 @@ def response_lengths(batch: Batch) -> torch.Tensor:
     response_length/*, its clip ratio, the micro-batch order): its tokens counted against
     rollout.max_new_tokens, those generated and, in a multi-turn response, the tools' observations
     between them (not trained on, but they take the same room), never its padding. That is the
-    response's columns of the attention mask; the response mask holds only the trained tokens."""
-    t = batch["responses"].shape[1]
-    return batch["attention_mask"][:, -t:].sum(-1)
+    response's columns of the attention mask; the response mask holds only the trained tokens. Reads
+    those two columns."""
+    t = batch.tensors["response_mask"].shape[1]
+    return batch.tensors["attention_mask"][:, -t:].sum(-1)
 
 
 def _check_types(tensors: Any, columns: Any, meta: Any) -> None:

@@ -35,7 +35,9 @@ def stages_for(cfg: RLConfig) -> list[StageSpec]:
                                                            "baseline_response_text")))
     rm = cfg.reward.model.enabled  # a learned reward model: an engine call, on the prompts of the rows
     stages.append(StageSpec(name="score_rewards", task="score_rewards", engine=rm, buffer="reward",
-                            reads=(*SCORED, "response_mask", *(["row_index"] if rm else [])),
+                            reads=(*SCORED, "response_mask", *(["row_index"] if rm else []),
+                                   # DAPO's overlong penalty: the responses' lengths (engine.batch.response_lengths)
+                                   *(["attention_mask"] if cfg.reward.overlong_buffer_len else [])),
                             writes=("score", "token_scores", *(["rule_score", "rm_score"] if rm else []))))
     if cfg.safe_rl:  # safe RL: the cost of each response, next to its reward
         stages.append(StageSpec(name="score_costs", task="score_costs", reads=SCORED, writes=("cost",),
