@@ -6,7 +6,7 @@
 
     rl_iteration(plan, k): rollout -> reward | log-probs -> advantages -> critic update -> policy update
 
-Recovery contract (DESIGN.md): the latest committed checkpoint c, the last finished iteration i
+Recovery contract (docs/architecture.md): the latest committed checkpoint c, the last finished iteration i
 (its metrics written), the engine's version v if alive. Alive with v in {i, i+1}: go on at i+1 (the
 update stages know whether their update is applied). Otherwise restart the engine, restore c and replay
 the updates c+1..i from the persisted advantage buffers — no regeneration.
@@ -39,14 +39,14 @@ from flows import pipeline, progress, report, trace
 from flows.config import RLConfig
 from flows.loggers import MetricLoggers, require_packages, run_log_dir
 from flows.plan import OpenRun, open_run, resolve_config
-from infra.buffers import load_ref
+from infra.buffers import load_ref, read_buffer
 from infra.checkpoints import CheckpointStore, Manifest
 from infra.config import StorageConfig
 from infra.errors import IntegrityError
 from tasks.context import RunPlan, context
 from tasks.faults import maybe_kill_flow
 from tasks.runner import StageTaskRunner
-from tasks.stages import StageResult, multiplier_before, sampler_start, save_checkpoint, task_for, validate
+from tasks.stages import StageResult, save_checkpoint, task_for, validate
 
 log = logging.getLogger("rlflow.train")
 
@@ -168,12 +168,10 @@ class Trainer:
         return self.run.cfg
 
     def trainer_state(self, iteration: int) -> dict[str, Any]:
-        # Dynamic sampling draws a varying number of sampler steps: where the iteration's rollout ended.
-        steps = sampler_start(context(self.plan), iteration + 1) if self.plan.algorithm.filter_groups else iteration
-        safety = ({"lagrange_lambda": multiplier_before(context(self.plan), iteration + 1)}
-                  if self.plan.algorithm.cost_limit is not None else {})
-        return {"iteration": iteration, "sampler_steps": steps, **safety, "kl_ctrl": self.kl.state_dict(),
-                "config_hash": self.plan.config_hash}
+        """trainer.json, what a resume reads from the checkpoint (_restore_kl): the KL controller after
+        `iteration`. The sampler's step under dynamic sampling and safe RL's multiplier are each in the
+        iteration's own committed buffer, where every iteration (resumed or not) reads them."""
+        return {"iteration": iteration, "kl_ctrl": self.kl.state_dict()}
 
 
 @flow(name="rlflow-train", flow_run_name="{run_name}", persist_result=True, task_runner=StageTaskRunner())
@@ -546,13 +544,31 @@ def _export(trainer: Trainer, engine: Engine, iteration: int) -> str:
 
 
 def _restore_kl(trainer: Trainer) -> None:
-    """The KL controller after the last finished iteration, from the metrics lines (exact, no drift)."""
-    for line in trainer.run.runs.read_metrics():
-        if "actor/kl_coef" in line:
-            trainer.kl.load_state_dict({"value": line["actor/kl_coef"]})
-            if "actor/reward_kl_penalty" in line:
-                trainer.kl.update(line["actor/reward_kl_penalty"],
-                                  n_steps=trainer.cfg.data.train_batch_size * trainer.cfg.rollout.n)
+    """The KL controller after the last finished iteration, from committed records only: the state the
+    newest checkpoint at or before it committed (its trainer.json), then each later iteration's update
+    from the KL its advantage buffer recorded. Never the metrics files, which a user may edit. A fixed
+    controller has no state."""
+    cfg = trainer.cfg
+    trainer.kl = make_kl_controller(cfg.algorithm)
+    if cfg.algorithm.kl_ctrl != "adaptive":
+        return
+    finished = trainer.run.runs.last_finished_iteration() or 0
+    ckpts = _checkpoint_store(trainer)
+    start = 0
+    for step in sorted((s for s in ckpts.committed_steps() if s <= finished), reverse=True):
+        state = ckpts.read_trainer_state(step)
+        if state is not None:
+            trainer.kl.load_state_dict(state["kl_ctrl"])
+            start = step
+            break
+    store, run_id = trainer.run.store, trainer.plan.run_id
+    for iteration in range(start + 1, finished + 1):
+        ref = load_ref(store, run_id, iteration, "advantage")
+        if ref is None:
+            raise RuntimeError(f"the adaptive KL controller after iteration {iteration} is recorded in that "
+                               "iteration's advantage buffer, and it is not in storage")
+        recorded = read_buffer(store, ref).meta["metrics"]
+        trainer.kl.update(recorded["actor/reward_kl_penalty"], n_steps=cfg.data.train_batch_size * cfg.rollout.n)
 
 
 def _last_iteration(cfg: RLConfig, first: int) -> int:

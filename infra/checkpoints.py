@@ -1,6 +1,6 @@
 """Committed checkpoints: `checkpoints/step_NNNNNN/` + MANIFEST.json as the commit + LATEST.
 
-The protocol the engine uses (DESIGN.md "Object storage"):
+The protocol the engine uses (docs/architecture.md "Object storage"):
 
     ckpts = CheckpointStore(store, run_id, keep_last=3, keep_every=0)
     url = ckpts.begin(7)                             # clears leftovers of a crashed save of step 7
@@ -167,7 +167,8 @@ class CheckpointStore:
         return FileEntry(path=rel, size=size, sha256=sha)
 
     def write_trainer_state(self, step: int, state: dict[str, Any]) -> None:
-        """trainer.json: iteration, sampler state, RNG state (JSON-able)."""
+        """trainer.json: what the train flow restores from this checkpoint (JSON-able; flows/train.py
+        Trainer.trainer_state). The ranks' RNG and schedule state are in their own shards."""
         self.write_bytes(step, layout.TRAINER_JSON, json.dumps(state, indent=1, sort_keys=True).encode())
 
     def read_trainer_state(self, step: int) -> dict[str, Any] | None:

@@ -175,14 +175,22 @@ def test_adaptive_kl_in_the_reward_and_remax_baseline(adaptive_kl_remax: Run) ->
 def test_adaptive_kl_killed_and_resumed_has_the_same_kl_coef_series(cli: Cli, warm_cli: WarmCli,
                                                                      tiny_model_dir: Path, root: Path,
                                                                      adaptive_kl_remax: Run) -> None:
-    args = overrides(tiny_model_dir, root, "remax-kl-killed", *REMAX_KL,
+    """Killed in iteration 2 after the checkpoint of iteration 1: the resume takes the controller from what
+    that checkpoint committed (trainer.json), not from the metrics files, which the test edits before
+    resuming (on main the resumed iteration 2 ran with the edited coefficient's update)."""
+    args = overrides(tiny_model_dir, root, "remax-kl-killed", *REMAX_KL, "trainer.save_every=1",
                      "debug.kill_flow_after=compute_advantages", "debug.kill_iteration=2")
     first = cli("train", *args)
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+    line = root / "remax-kl-killed" / "metrics" / "iter_000001.json"
+    edited = {**json.loads(line.read_text()), "actor/kl_coef": 0.5, "actor/reward_kl_penalty": 9.0}
+    line.write_text(json.dumps(edited))
+    state = json.loads((root / "remax-kl-killed" / "checkpoints" / "step_000001" / "trainer.json").read_text())
+    assert state == {"iteration": 1, "kl_ctrl": {"value": adaptive_kl_remax.series("actor/kl_coef")[1]}}
     resumed = warm_cli("train", "--resume", "remax-kl-killed", f"storage.root={root}", REWARD)  # not the killed process
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     run = Run(root, "remax-kl-killed", args)
-    assert run.series("actor/kl_coef") == adaptive_kl_remax.series("actor/kl_coef")  # to the bit
+    assert run.series("actor/kl_coef")[1:] == adaptive_kl_remax.series("actor/kl_coef")[1:]  # to the bit
     got, want = run.weights(), adaptive_kl_remax.weights()
     assert all(torch.equal(got[k], want[k]) for k in want)
 
