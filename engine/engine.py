@@ -18,11 +18,8 @@ from pydantic import BaseModel
 from engine.batch import Batch
 from engine.errors import ConfigError, EngineDeadError, EngineError, VersionMismatchError
 from engine.reward_model import RewardModelSpec
-from engine.workers.critic import CriticSpec, CriticWorker
 from engine.workers.group import NAMESPACE, WorkerGroup, check_run_id
-from engine.workers.policy import PolicySpec, PolicyWorker
-from engine.workers.reward_model_worker import RewardModelWorker
-from engine.workers.rollout_worker import RolloutWorker
+from engine.workers.specs import CriticSpec, PolicySpec
 
 
 class EngineSpec(BaseModel):
@@ -86,6 +83,12 @@ class Engine:
         engine that cannot fit the cluster is refused; a restart (after a lost node) waits for capacity
         up to spec.capacity_timeout_s, reporting to `waiting`."""
         import ray
+
+        # The worker classes only where an engine starts: who attaches (a stage worker) needs none of them.
+        from engine.workers.critic import CriticWorker
+        from engine.workers.policy import PolicyWorker
+        from engine.workers.reward_model_worker import RewardModelWorker
+        from engine.workers.rollout_worker import RolloutWorker
 
         check_run_id(spec.run_id)
         if not restart:

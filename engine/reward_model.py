@@ -34,12 +34,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, Field
-from transformers import (
-    AutoConfig,
-    AutoModelForSequenceClassification,
-    LlamaConfig,
-    LlamaForSequenceClassification,
-)
 
 from engine.errors import ConfigError, RLFlowError
 from engine.models import (
@@ -70,6 +64,8 @@ class RewardModelSpec(BaseModel):
 
 def check_reward_model(path: str, trust_remote_code: bool = False) -> None:
     """ConfigError unless `path` holds a sequence classifier with one label (checked before launch)."""
+    from transformers import AutoConfig
+
     local = hub_offline() or Path(path).expanduser().is_dir()
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=local)
@@ -86,6 +82,8 @@ def check_reward_model(path: str, trust_remote_code: bool = False) -> None:
 
 
 def load_reward_model(spec: RewardModelSpec) -> Any:
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
     check_reward_model(spec.path, spec.trust_remote_code)
     local = hub_offline() or Path(spec.path).expanduser().is_dir()
     try:
@@ -273,6 +271,8 @@ def build_tiny_rm(out_dir: str | Path, task: str = "sort", seed: int = 0, steps:
     head (LlamaForSequenceClassification), its tokenizer with the reward model's own chat template
     ("Q: ...\nA: ..."), a Bradley-Terry loss -log sigmoid(r_chosen - r_rejected) on `steps` batches of
     pairs drawn from the policy's own samples and synthetic candidates."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
     from engine.models import load_model
     from engine.tiny import (
         BUILD_THREADS,

@@ -323,8 +323,7 @@ def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str
     from engine.engine import EngineSpec
     from engine.models import resolve_reward_model_path
     from engine.reward_model import RewardModelSpec
-    from engine.workers.critic import CriticSpec
-    from engine.workers.policy import PolicySpec
+    from engine.workers.specs import CriticSpec, PolicySpec
 
     device = resolve_device(cfg.trainer.device)
     if device != "cpu":

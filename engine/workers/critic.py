@@ -5,26 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from pydantic import BaseModel, Field
 from torch import nn
 
 from engine import algos, lora
 from engine.batch import Batch
-from engine.config import CriticConfig
 from engine.models import dropout_left, load_value_model, packed_inputs, positions
 from engine.seeds import derive_seed
 from engine.workers import fsdp
 from engine.workers.base import RankWorker, traced
-
-
-class CriticSpec(BaseModel):
-    model_path: str
-    dtype: str = "float32"
-    trust_remote_code: bool = False
-    critic: CriticConfig = CriticConfig()
-    max_response_length: int = Field(16, gt=0, description="rollout.max_new_tokens: Dr. GRPO's normalizer")
-    total_iterations: int = 1
-    seed: int = 0
+from engine.workers.specs import CriticSpec
 
 
 class CriticWorker(RankWorker):

@@ -23,13 +23,12 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel
 from torch import nn
 from transformers import DynamicCache
 
 from engine import algos, lora, weight_sync
 from engine.batch import Batch
-from engine.config import ActorConfig, RefConfig, RolloutConfig
+from engine.config import RolloutConfig
 from engine.models import (
     cache_argument,
     dropout_left,
@@ -40,31 +39,13 @@ from engine.models import (
     stop_token_ids,
 )
 from engine.multi_turn import generate_multi_turn
-from engine.reward_model import RewardModelScorer, RewardModelSpec, prompts_of
+from engine.reward_model import RewardModelScorer, prompts_of
 from engine.rollout import SamplingParams, make_rollout
 from engine.seeds import derive_seed
 from engine.tools import load_tools
 from engine.workers import fsdp
 from engine.workers.base import RankWorker, traced
-
-
-class PolicySpec(BaseModel):
-    """What a policy rank is built from (JSON-able: it crosses into the actor process)."""
-
-    model_path: str
-    tokenizer_path: str
-    dtype: str = "float32"
-    trust_remote_code: bool = False
-    rollout: RolloutConfig = RolloutConfig()
-    actor: ActorConfig = ActorConfig()
-    ref: RefConfig = RefConfig()
-    use_ref: bool = False
-    total_iterations: int = 1
-    seed: int = 0
-    reward_model: RewardModelSpec | None = None  # reward.model.placement=colocated: loaded in every policy rank
-    sandbox_isolation: Literal["bwrap", "none"] = "bwrap"  # reward.sandbox.isolation: how tool calls are confined
-    max_model_len: int = 2048  # rollout.name=vllm: the engine's longest prompt + response (RLConfig.max_model_len)
-
+from engine.workers.specs import PolicySpec
 
 SYNC_BUCKET_BYTES = 32 * 2**20  # rollout.name=vllm: the weights gathered per all-gather into the engine
 
