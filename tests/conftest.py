@@ -200,11 +200,15 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 # The longest files first (seconds on 2 cores, docs/testing.md): with two workers taking a file at a time,
 # the suite then ends on short files instead of one worker finishing a long one alone.
-_LONGEST_FIRST = ("ops/test_faults.py", "ops/test_multi_turn.py", "ops/test_async.py", "pipeline/test_algorithms.py",
-                  "pipeline/test_reward_model.py", "ops/test_cluster.py", "engine/test_engine.py",
-                  "pipeline/test_train.py", "ops/test_deploy.py", "ops/test_bad_input.py",
-                  "ops/test_dynamic_sampling.py", "engine/test_gradients.py", "ops/test_ui_retry.py",
-                  "pipeline/test_families.py", "ops/test_worker.py", "test_types.py", "pipeline/test_safety.py")
+# Seconds of items per file in a fresh-clone run of 384f30b (two workers, 2026-12-03), longest first. Two
+# workers take whole files (--dist loadfile) in this order: the longest start first and the tail is short
+# files. xdist would re-sort the files by their number of tests (pyproject: --no-loadscope-reorder).
+_LONGEST_FIRST = ("ops/test_faults.py", "ops/test_multi_turn.py", "pipeline/test_algorithms.py", "engine/test_engine.py",
+                  "ops/test_async.py", "pipeline/test_reward_model.py", "ops/test_cluster.py", "ops/test_bad_input.py",
+                  "ops/test_deploy.py", "pipeline/test_train.py", "ops/test_ui_retry.py", "pipeline/test_families.py",
+                  "engine/test_gradients.py", "engine/test_lora.py", "ops/test_worker.py", "ops/test_dynamic_sampling.py",
+                  "test_types.py", "engine/test_split.py", "ops/test_credentials.py", "engine/test_vllm_engine.py",
+                  "stack/test_stack.py", "pipeline/test_safety.py")
 
 
 def _file_rank(item: pytest.Item) -> int:
