@@ -29,7 +29,24 @@ def test_default_config_is_the_tiny_grpo_file() -> None:
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_loads(path: Path) -> None:
-    load_config(path)
+    """Each shipped config loads, and every value it writes is the value the run gets (none dropped or
+    changed on the way)."""
+    import yaml
+
+    def leaves(tree: dict, prefix: str = "") -> list[tuple[str, object]]:
+        out: list[tuple[str, object]] = []
+        for key, value in tree.items():
+            out += leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else [(f"{prefix}{key}", value)]
+        return out
+
+    cfg = load_config(path).model_dump()
+    written = leaves(yaml.safe_load(path.read_text()))
+    assert written
+    for key, value in written:
+        got = cfg
+        for part in key.split("."):
+            got = got[part]
+        assert got == value, (key, got, value)
 
 
 def test_overrides_are_parsed_to_the_field_type() -> None:
