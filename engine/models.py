@@ -15,7 +15,6 @@ Shapes: B prompts or responses, P prompt tokens (after padding), T response toke
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import os
 from collections.abc import Iterable, Sequence
@@ -267,37 +266,21 @@ def _configs(config: PretrainedConfig) -> list[PretrainedConfig]:
 
 
 def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """The tokenizer at `path`, left padding, with a pad token (eos when it has none).
+    """The tokenizer at `path`, left padding, with a pad token (eos when it has none). Always through
+    AutoTokenizer: it picks the family's own class from the model's config where the tokenizer config
+    names only the generic fast one (building that generic class directly tokenized Qwen2's prompts
+    differently)."""
+    from transformers import AutoTokenizer
 
-    A local tokenizer whose tokenizer_config.json names the generic fast class (`PreTrainedTokenizerFast`,
-    what AutoTokenizer maps to transformers' TokenizersBackend) is built by that class directly: the same
-    object AutoTokenizer returns, without importing the auto machinery (2 CPU s of the 3 a stage worker
-    spends loading a tokenizer). Every other tokenizer goes through AutoTokenizer."""
-    local = hub_offline() or Path(path).expanduser().is_dir()
     try:
-        if _generic_fast_tokenizer(path) and not trust_remote_code:
-            from transformers import PreTrainedTokenizerFast
-
-            tokenizer = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=local)
-        else:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=local)
+        tokenizer = AutoTokenizer.from_pretrained(
+            path,
+            trust_remote_code=trust_remote_code,
+            local_files_only=hub_offline() or Path(path).expanduser().is_dir(),
+        )
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {_first_line(err)}") from err
     return prepare_tokenizer(tokenizer)
-
-
-def _generic_fast_tokenizer(path: str) -> bool:
-    """Whether the local tokenizer at `path` names the generic fast class and no code of its own."""
-    config = Path(path).expanduser() / "tokenizer_config.json"
-    if not (config.is_file() and (config.parent / "tokenizer.json").is_file()):
-        return False
-    try:
-        saved = json.loads(config.read_text())
-    except (OSError, ValueError):
-        return False
-    return saved.get("tokenizer_class") in ("PreTrainedTokenizerFast", "TokenizersBackend") and "auto_map" not in saved
 
 
 def load_model_and_tokenizer(
