@@ -2,7 +2,8 @@
 
 Their own module, importing only configs: a stage worker that attaches to a running engine
 (tasks/context.py through engine.engine) needs the specs, not the workers' torch.distributed
-checkpointing, FSDP and generation code (about 2 CPU s of imports in every stage worker process).
+checkpointing, FSDP and generation code (a stage worker's imports and tokenizer load: 5.8 CPU s, 6.8
+with them).
 """
 
 from __future__ import annotations
