@@ -220,15 +220,14 @@ class RLConfig(BaseModel):
     def _check_unread_settings(self, spec: Any) -> None:
         """A setting that the chosen estimator, KL or loss never reads is refused (its value would change
         nothing)."""
-        algo, actor = self.algorithm, self.actor
         from engine.algos import ADV_ESTIMATORS
 
-        readers = {key: sorted(e.name for e in ADV_ESTIMATORS.values() if arg in e.reads)
-                   for key, arg in (("gamma", "gamma"), ("lam", "lam"), ("norm_adv_by_std", "norm_by_std"))}
+        algo, actor = self.algorithm, self.actor
         for key, arg in (("gamma", "gamma"), ("lam", "lam"), ("norm_adv_by_std", "norm_by_std")):
             if arg not in spec.reads and _differs_from_default(algo, key):
+                readers = ", ".join(sorted(e.name for e in ADV_ESTIMATORS.values() if arg in e.reads))
                 raise _cross(f"algorithm.{key}", getattr(algo, key), f"algorithm.adv_estimator={spec.name} does not "
-                             f"read it (read by: {', '.join(readers[key])})")
+                             f"read it (read by: {readers})")
         if not algo.use_kl_in_reward:
             for key in ("kl_penalty", "kl_ctrl", "kl_coef", "kl_target", "kl_horizon"):
                 if _differs_from_default(algo, key):
