@@ -3,7 +3,7 @@
     python bench/vllm_lora.py [--workload W2] [--rank 8] [--versions 4] [--rows 64]
 
 merged: what rollout.name=vllm does. After each update every weight goes into the engine with the
-    adapters merged (W + scaling * B @ A, as engine/workers/fsdp.stream_full sends them) through vLLM's
+    adapters merged (W + scaling * B @ A, by engine/workers/fsdp.stream_full itself) through vLLM's
     in-place reload (engine/rollout/vllm.py); generation then runs the plain base model.
 adapter: vLLM's own LoRA support. The engine starts with enable_lora; after each update the adapters
     alone are saved (peft's save_pretrained, what a worker would write) and the next generate names them in
@@ -50,23 +50,12 @@ def new_version(model: Any, version: int) -> None:
 
 
 def merged_weights(model: Any) -> list[tuple[str, Any]]:
-    """(name, tensor) of the model with its adapters merged, under the base model's names."""
-    import torch
+    """(name, tensor) of the model with its adapters merged, under the base model's names: the engine's own
+    stream (engine/workers/fsdp.stream_full, here over one process's unsharded model)."""
+    from engine.workers.fsdp import stream_full
+    from engine.workers.policy import SYNC_BUCKET_BYTES
 
-    out = []
-    state = dict(model.named_parameters())
-    for name, param in state.items():
-        if ".lora_" in name:
-            continue
-        base = name.replace("base_model.model.", "").replace(".base_layer", "")
-        owner = name.rsplit(".base_layer", 1)[0] if ".base_layer" in name else None
-        if owner is not None and name.endswith("weight") and f"{owner}.lora_A.default.weight" in state:
-            a, b = state[f"{owner}.lora_A.default.weight"], state[f"{owner}.lora_B.default.weight"]
-            scaling = model.peft_config["default"].lora_alpha / model.peft_config["default"].r
-            with torch.no_grad():
-                param = param + scaling * (b @ a)
-        out.append((base, param.detach().clone()))
-    return out
+    return list(stream_full(model.base_model.model, SYNC_BUCKET_BYTES))
 
 
 def greedy_hf(model: Any, prompts: list[list[int]], tokens: int) -> list[list[int]]:
