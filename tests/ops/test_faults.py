@@ -99,17 +99,24 @@ def zombie(cli: Cli, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFact
     return died
 
 
-def test_engine_rank_killed_mid_update(warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path,
-                                      reference: dict) -> None:
+def test_engine_rank_killed_mid_update_then_killed_during_checkpoint_upload(
+        warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path, reference: dict) -> None:
+    """One run carries both faults of iteration 2: rank 1 dies mid-update (the engine restarts, restores
+    checkpoint step 1 and replays), then the process saving step 2 dies after the shards are written and
+    before the commit (the save is retried; step 2 is committed once)."""
     start = time.monotonic()
     proc = warm_cli("train", *args(tiny_model_dir, str(tmp_path), "rank-kill", "debug.kill_rank_mid_update=1",
-                              "debug.kill_iteration=2"))
+                                   "debug.kill_during_checkpoint=true", "debug.kill_iteration=2"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     logs = proc.stdout + proc.stderr
     assert "iteration 2: the engine failed" in logs and "restored checkpoint step 1" in logs
     assert_reused(tmp_path, "rank-kill", 2)
+    assert (tmp_path / "rank-kill" / "debug" / "killed_checkpoint_000002").exists()  # the kill happened
+    ckpts = tmp_path / "rank-kill" / "checkpoints"
+    assert (ckpts / "LATEST").read_text().strip().endswith("3")
+    assert (ckpts / "step_000002" / "MANIFEST.json").exists()
     assert_like_uninterrupted(tmp_path, "rank-kill", reference)
-    print(f"rank kill: {time.monotonic() - start:.0f} s")
+    print(f"rank kill + checkpoint-upload kill: {time.monotonic() - start:.0f} s")
 
 
 def test_hung_rank_mid_update_is_restarted(warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path,
@@ -159,20 +166,6 @@ def test_flow_process_killed_mid_iteration_then_resumed(cli: Cli, warm_cli: Warm
     assert killed.state.name == "Crashed" and f"resumed by flow run flow-kill ({resumed_run.id})" in killed.state.message
     assert subflow_runs(prefect, killed.id)[-1].state.name == "Crashed"  # iteration 2, killed mid-way
     print(f"flow kill + resume: {time.monotonic() - start:.0f} s")
-
-
-def test_killed_during_checkpoint_upload(warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path,
-                                        reference: dict) -> None:
-    start = time.monotonic()
-    proc = warm_cli("train", *args(tiny_model_dir, str(tmp_path), "ckpt-kill", "debug.kill_during_checkpoint=true",
-                              "debug.kill_iteration=2"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert (tmp_path / "ckpt-kill" / "debug" / "killed_checkpoint_000002").exists()  # the kill happened
-    ckpts = tmp_path / "ckpt-kill" / "checkpoints"
-    assert (ckpts / "LATEST").read_text().strip().endswith("3")
-    assert (ckpts / "step_000002" / "MANIFEST.json").exists()
-    assert_like_uninterrupted(tmp_path, "ckpt-kill", reference)
-    print(f"checkpoint-upload kill: {time.monotonic() - start:.0f} s")
 
 
 def test_corrupted_committed_shard_falls_back(cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path,
