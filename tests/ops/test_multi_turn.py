@@ -5,12 +5,12 @@ rollout.multi_turn on (engine.builtin_tools:calculator).
 - The rollout buffer keeps every turn (readable with pandas); the observation tokens are holes in
   `response_mask` (no loss, no KL) but real tokens for attention; their rollout log-probs are 0; the
   observation of each call is the calculator's answer to the expression the model wrote.
-- The flow process and its engine killed after an update, then resumed: the uninterrupted run's weights bit
-  for bit, every complete buffer kept. A stage failing past its retries: run again, the rollout is reused.
 - A tool that breaks gives error observations, never a failed rollout.
 - rollout.name=vllm (a vLLM engine in each policy rank), with dynamic sampling and validation on in the
   same run: tool calls answered, observations as holes with rollout log-probs of 0, kept groups that
-  differ; killed after an update and resumed, the uninterrupted vLLM run's weights bit for bit.
+  differ. A stage failing past its retries: run again, the rollout is reused; that resume killed after
+  an update, engine too, and resumed again: the uninterrupted vLLM run's weights bit for bit, every
+  complete buffer kept.
 """
 
 from __future__ import annotations
@@ -114,33 +114,6 @@ def test_turns_observations_and_masks(reference: dict, calc_model_dir: Path) -> 
     assert answered > 0, "no call was answered by the calculator: only the error path was checked"
 
 
-def test_failed_then_killed_multi_turn_run_resumes_like_the_uninterrupted_one(
-        cli: Cli, warm_cli: WarmCli, calc_model_dir: Path, tmp_path: Path, reference: dict) -> None:
-    """compute_advantages of iteration 2 fails past its retries (iteration 1 committed); run again, the
-    multi-turn rollout of iteration 2 is reused and the flow process is killed after its update, engine
-    too; the second resume restores step 1 on a new engine and ends with the uninterrupted run's weights.
-    No complete buffer is ever rewritten."""
-    failed = cli("train", *args(calc_model_dir, tmp_path, "mt-fail", "debug.fail_stage=compute_advantages",
-                                "debug.fail_times=3", "debug.fail_iteration=2"))
-    assert failed.returncode != 0 and failed.returncode != -signal.SIGKILL, failed.stderr[-3000:]
-    assert metrics_done(tmp_path, "mt-fail") == [1]
-    before = buffers(tmp_path, "mt-fail")
-    killed = cli("train", "--resume", "mt-fail", f"storage.root={tmp_path}", *TOOL, *KILL_AFTER_UPDATE_2)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert cli("engine", "stop", "mt-fail").returncode == 0
-    # killed by the resume, after iteration 2's update and before its commit
-    assert (tmp_path / "mt-fail" / "debug" / "killed_after_update_policy_000002").exists()
-    assert metrics_done(tmp_path, "mt-fail") == [1]
-    after_kill = buffers(tmp_path, "mt-fail")
-    assert all(after_kill[k] == v for k, v in before.items())  # the failed iteration's rollout was reused
-    again = warm_cli("train", "--resume", "mt-fail", f"storage.root={tmp_path}", *TOOL)  # a process new to the run
-    assert again.returncode == 0, again.stderr[-4000:]
-    assert "restored checkpoint step 1" in again.stdout + again.stderr
-    after = buffers(tmp_path, "mt-fail")
-    assert all(after[k] == v for k, v in after_kill.items())
-    assert_equal_weights(weights(tmp_path, "mt-fail"), reference["weights"])
-
-
 def test_a_broken_tool_gives_error_observations(warm_cli: WarmCli, calc_model_dir: Path, tmp_path: Path) -> None:
     """The tool named calculator raises on every call: the run completes, every call got an error."""
     proc = warm_cli("train", *args(calc_model_dir, tmp_path, "mt-broken", "trainer.total_iterations=1",
@@ -197,16 +170,30 @@ def test_tools_dynamic_sampling_and_validation_with_vllm(vllm_reference: dict, c
     assert calls > 0, "the model made no tool call under vLLM: the test checks nothing"
 
 
-def test_killed_vllm_run_resumes_like_the_uninterrupted_one(cli: Cli, warm_cli: WarmCli, calc_model_dir: Path,
-                                                           tmp_path: Path, vllm_reference: dict) -> None:
-    killed = cli("train", *vllm_args(calc_model_dir, tmp_path, "vllm-kill", *KILL_AFTER_UPDATE_2))
+def test_failed_then_killed_vllm_run_resumes_like_the_uninterrupted_one(
+        cli: Cli, warm_cli: WarmCli, calc_model_dir: Path, tmp_path: Path, vllm_reference: dict) -> None:
+    """One run carries both faults. compute_advantages of iteration 2 fails past its retries (iteration 1
+    committed); run again, the multi-turn rollout of iteration 2 is reused and the flow process is killed
+    after its update, engine too; the second resume restores step 1 on a new engine (new vLLM engines in
+    its ranks) and ends with the uninterrupted vLLM run's weights. No complete buffer is ever rewritten.
+    (The resume path is the rollout engine's business only through the weights it is given: the same
+    faults on the hf rollout are tests/ops/test_async.py's and tests/ops/test_faults.py's.)"""
+    failed = cli("train", *vllm_args(calc_model_dir, tmp_path, "vllm-fail", "debug.fail_stage=compute_advantages",
+                                     "debug.fail_times=3", "debug.fail_iteration=2"))
+    assert failed.returncode != 0 and failed.returncode != -signal.SIGKILL, failed.stderr[-3000:]
+    assert metrics_done(tmp_path, "vllm-fail") == [0, 1]  # 0: the validation before training
+    before = buffers(tmp_path, "vllm-fail")
+    killed = cli("train", "--resume", "vllm-fail", f"storage.root={tmp_path}", *TOOL, *KILL_AFTER_UPDATE_2)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert cli("engine", "stop", "vllm-kill").returncode == 0
-    assert metrics_done(tmp_path, "vllm-kill") == [0, 1]  # 0: the validation before training
-    before = buffers(tmp_path, "vllm-kill")
-    again = warm_cli("train", "--resume", "vllm-kill", f"storage.root={tmp_path}", *TOOL)
+    assert cli("engine", "stop", "vllm-fail").returncode == 0
+    # killed by the resume, after iteration 2's update and before its commit
+    assert (tmp_path / "vllm-fail" / "debug" / "killed_after_update_policy_000002").exists()
+    assert metrics_done(tmp_path, "vllm-fail") == [0, 1]
+    after_kill = buffers(tmp_path, "vllm-fail")
+    assert all(after_kill[k] == v for k, v in before.items())  # the failed iteration's rollout was reused
+    again = warm_cli("train", "--resume", "vllm-fail", f"storage.root={tmp_path}", *TOOL)  # a process new to the run
     assert again.returncode == 0, again.stderr[-4000:]
     assert "restored checkpoint step 1" in again.stdout + again.stderr
-    after = buffers(tmp_path, "vllm-kill")
-    assert all(after[k] == v for k, v in before.items())  # every complete buffer kept, none rewritten
-    assert_equal_weights(weights(tmp_path, "vllm-kill"), vllm_reference["weights"])
+    after = buffers(tmp_path, "vllm-fail")
+    assert all(after[k] == v for k, v in after_kill.items())  # every complete buffer kept, none rewritten
+    assert_equal_weights(weights(tmp_path, "vllm-fail"), vllm_reference["weights"])
