@@ -188,8 +188,13 @@ def test_corrupted_committed_shard_falls_back(cli: Cli, warm_cli: WarmCli, tiny_
     print(f"corrupted shard: {time.monotonic() - start:.0f} s")
 
 
-def test_s3_down_for_10s_mid_run(cli: Cli, tiny_model_dir: Path, s3_server, reference: dict,
-                                 tmp_path: Path) -> None:
+def test_s3_down_for_10s_then_prefect_server_restarted_mid_run(cli: Cli, tiny_model_dir: Path, s3_server,
+                                                              stack_home: Path, reference: dict,
+                                                              tmp_path: Path) -> None:
+    """One run on S3 carries both outages: after iteration 1 the S3 endpoint refuses connections for 10 s;
+    after iteration 2 the Prefect server goes away and comes back on its port."""
+    from infra.config import StackConfig
+    from infra.stack import LocalStack
     from tests.infra.storage_helpers import ProxyProcess  # a TCP proxy in front of the S3 server
 
     start = time.monotonic()
@@ -197,55 +202,43 @@ def test_s3_down_for_10s_mid_run(cli: Cli, tiny_model_dir: Path, s3_server, refe
     proxy.start()
     fs = _s3(s3_server)
     prefix = f"{s3_server.bucket}/faults-{tmp_path.name}"
-    try:
-        env = {**s3_server.env, "AWS_ENDPOINT_URL": proxy.endpoint_url}
-        run = cli.popen("train", *args(tiny_model_dir, f"s3://{prefix}", "s3-down"), env=env)
+
+    def wait_for_metrics(iteration: int) -> None:
         deadline = time.monotonic() + 300
-        while not fs.exists(f"{prefix}/s3-down/metrics/iter_000001.json") and time.monotonic() < deadline \
+        while not fs.exists(f"{prefix}/outages/metrics/iter_{iteration:06d}.json") and time.monotonic() < deadline \
                 and run.poll() is None:
             time.sleep(0.5)
+        fs.invalidate_cache()
+
+    try:
+        env = {**s3_server.env, "AWS_ENDPOINT_URL": proxy.endpoint_url}
+        run = cli.popen("train", *args(tiny_model_dir, f"s3://{prefix}", "outages"), env=env)
+        wait_for_metrics(1)
         proxy.kill()  # connections refused for 10 s, mid-run
         time.sleep(10)
         proxy.start()  # back on the same port
+        wait_for_metrics(2)
+        record = LocalStack(StackConfig(home=str(stack_home))).status().prefect.record
+        assert record is not None
+        os.kill(record.pid, signal.SIGTERM)  # the Prefect server goes away mid-run...
+        gone = time.monotonic() + 60
+        while Path(f"/proc/{record.pid}").exists() and time.monotonic() < gone:
+            time.sleep(0.2)
+        down_s = time.monotonic()
+        LocalStack(StackConfig(home=str(stack_home), prefect_port=record.port)).up(("prefect",))  # ...and comes back
+        print(f"Prefect API was down {time.monotonic() - down_s:.0f} s")
         out, _ = run.communicate(timeout=600)
+        if run.returncode != 0:
+            cli("engine", "stop", "outages")  # a failed run keeps its engine: free its cores for others
         assert run.returncode == 0, out[-4000:]
     finally:
         proxy.kill()
     local = tmp_path / "copy"
-    fs.get(f"{prefix}/s3-down", str(local / "s3-down"), recursive=True)
-    times = {(i, name): fs.info(f"{prefix}/s3-down/buffers/iter_{i:06d}/{name}.parquet")["LastModified"].timestamp()
+    fs.get(f"{prefix}/outages", str(local / "outages"), recursive=True)
+    times = {(i, name): fs.info(f"{prefix}/outages/buffers/iter_{i:06d}/{name}.parquet")["LastModified"].timestamp()
              for i in range(1, ITERATIONS + 1) for name in ("rollout", "reward", "old_logprob", "advantage")}
-    assert_like_uninterrupted(local, "s3-down", reference, times)
-    print(f"S3 down 10 s: {time.monotonic() - start:.0f} s")
-
-
-def test_prefect_server_restarted_mid_run(cli: Cli, tiny_model_dir: Path, stack_home: Path, tmp_path: Path,
-                                          reference: dict) -> None:
-    from infra.config import StackConfig
-    from infra.stack import LocalStack
-
-    start = time.monotonic()
-    run = cli.popen("train", *args(tiny_model_dir, str(tmp_path), "prefect-restart"))
-    marker = tmp_path / "prefect-restart" / "metrics" / "iter_000001.json"
-    deadline = time.monotonic() + 300
-    while not marker.exists() and time.monotonic() < deadline and run.poll() is None:
-        time.sleep(0.5)
-    stack = LocalStack(StackConfig(home=str(stack_home)))
-    record = stack.status().prefect.record
-    assert record is not None
-    os.kill(record.pid, signal.SIGTERM)  # the Prefect server goes away mid-run...
-    gone = time.monotonic() + 60
-    while Path(f"/proc/{record.pid}").exists() and time.monotonic() < gone:
-        time.sleep(0.2)
-    down_s = time.monotonic()
-    LocalStack(StackConfig(home=str(stack_home), prefect_port=record.port)).up(("prefect",))  # ...and comes back
-    print(f"Prefect API was down {time.monotonic() - down_s:.0f} s")
-    out, _ = run.communicate(timeout=600)
-    if run.returncode != 0:
-        cli("engine", "stop", "prefect-restart")  # a failed run keeps its engine: free its cores for others
-    assert run.returncode == 0, out[-4000:]
-    assert_like_uninterrupted(tmp_path, "prefect-restart", reference)
-    print(f"Prefect restart: {time.monotonic() - start:.0f} s")
+    assert_like_uninterrupted(local, "outages", reference, times)
+    print(f"S3 down 10 s, then Prefect restarted: {time.monotonic() - start:.0f} s")
 
 
 def _s3(server):  # noqa: ANN001, ANN202
