@@ -17,6 +17,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.ops.test_faults import REWARD, buffers
 from tests.services import Cli, WarmCli
@@ -31,7 +32,8 @@ SPLIT = ("placement.mode=split", "trainer.world_size=1", "placement.rollout_rank
 def args(model: Path, root: Path, run_id: str, *extra: str) -> list[str]:
     return [f"model.path={model}", f"storage.root={root}", f"trainer.run_id={run_id}", REWARD,
             f"trainer.total_iterations={ITERATIONS}", "trainer.save_every=3", "trainer.val_every=0",
-            "data.train_batch_size=8", "actor.mini_batch_size=32", "actor.micro_batch_size=32", "data.train_size=256",
+            "data.train_batch_size=8", "actor.mini_batch_size=64", "actor.micro_batch_size=64",
+            "actor.old_log_prob=recompute", "data.train_size=256",
             "data.val_size=16", "rollout.max_new_tokens=8", *extra]
 
 
@@ -90,9 +92,22 @@ def test_async_rollouts_use_the_scheduled_versions_and_overlap_updates(reference
     lines = reference["metrics"]
     assert [m["async/rollout_version"] for m in lines] == [0, 0, 1, 2]  # max(0, i - 1 - k)
     assert [m["async/staleness"] for m in lines] == [0, 1, 1, 1]
-    for m in lines:  # decoupled PPO's truncated importance weights are reported (auto: truncate, token level)
-        assert 0 < m["rollout_corr/is_weight_mean"] and m["rollout_corr/is_weight_max"] >= m["rollout_corr/is_weight_mean"]
-        assert 0 <= m["rollout_corr/corrected_share"] <= 1
+    # Decoupled PPO's truncated importance weights (auto: truncate at 2, token level), by hand from the
+    # buffers: w = exp(old_logp - rollout_logp) on the response tokens (one micro-batch of all 64 rows, so
+    # the reported mean is the batch's token mean; the old log-prob pass runs: actor.old_log_prob=recompute). Stale rollouts (iterations 2-4) give weights off 1.
+    from engine.batch import Batch
+
+    for i, m in enumerate(lines, start=1):
+        folder = reference["root"] / "async-ref" / "buffers" / f"iter_{i:06d}"
+        rollout = Batch.from_parquet(str(folder / "rollout.parquet"))
+        old = Batch.from_parquet(str(folder / "old_logprob.parquet"))
+        mask = rollout["response_mask"].bool()
+        w = torch.exp(old["old_logp"][mask].double() - rollout["rollout_logp"][mask].double())
+        assert m["rollout_corr/is_weight_mean"] == pytest.approx(float(w.mean()), rel=1e-5, abs=1e-6), i
+        assert m["rollout_corr/is_weight_max"] == pytest.approx(float(w.max()), rel=1e-5), i
+        assert m["rollout_corr/corrected_share"] == pytest.approx(float((w > 2.0).double().mean()), abs=1e-6), i
+        if i > 1:
+            assert float((w - 1).abs().max()) > 1e-3, i  # the version gap shows in the weights
     events = json.loads((reference["root"] / "async-ref" / "trace" / "timeline.json").read_text())["traceEvents"]
     spans = {(e["args"]["iteration"], e["name"]): (e["ts"], e["ts"] + e["dur"])
              for e in events if e["ph"] == "X" and e["pid"] == 1}
