@@ -87,7 +87,8 @@ class MultiTurnConfig(Section):
                              "'path/to/file.py:function' declared with @engine.tools.tool(parameters=JSON schema)")
     format: Literal["hermes", "llama3_json"] = Field(
         "hermes", description="the model family's tool-call format: hermes (Qwen2/2.5/3, Hermes: <tool_call>{...}"
-        "</tool_call>) or llama3_json (Llama 3.1/3.2: the turn is a JSON object)")
+        "</tool_call>) or llama3_json (Llama 3.1/3.2: the turn is a JSON object; needs a chat template with a "
+        "tool turn); observations are written as the chat template writes a tool message")
     max_turns: int = Field(3, ge=2, description="assistant turns per response at most (a call in the last one is "
                            "not run); rollout.max_new_tokens bounds the whole response, observations included")
     tool_timeout_s: float = Field(5.0, gt=0, description="wall clock of one tool call; over it the model reads an "

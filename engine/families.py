@@ -12,8 +12,8 @@ released instruct checkpoints, because that is what the engine must get right:
 
 | family  | architecture        | chat format                          | eos (generation stops)        | pad             | tied |
 |---------|---------------------|--------------------------------------|-------------------------------|-----------------|------|
-| llama   | LlamaForCausalLM    | Llama 3 headers, <|eot_id|>          | <|eot_id|>, <|end_of_text|>   | none (eos used) | no   |
-| qwen2   | Qwen2ForCausalLM    | ChatML, default system prompt        | <|im_end|>, <|endoftext|>     | <|endoftext|>   | yes  |
+| llama   | LlamaForCausalLM    | Llama 3.1 headers, <|eot_id|>, tools | <|eot_id|>, <|end_of_text|>   | none (eos used) | no   |
+| qwen2   | Qwen2ForCausalLM    | Qwen2.5's ChatML, tools              | <|im_end|>, <|endoftext|>     | <|endoftext|>   | yes  |
 | qwen3   | Qwen3ForCausalLM    | ChatML                               | <|im_end|>, <|endoftext|>     | <|endoftext|>   | yes  |
 | mistral | MistralForCausalLM  | [INST] ... [/INST]                   | </s>                          | none (eos used) | no   |
 | gemma   | Gemma2ForCausalLM   | <start_of_turn>user/model            | <end_of_turn>, <eos>          | <pad>           | yes  |
@@ -65,13 +65,6 @@ class Family:
     config: dict[str, Any] = field(default_factory=dict)  # family-specific config fields
 
 
-LLAMA3_TEMPLATE = (
-    "{{- bos_token -}}"
-    "{%- for m in messages -%}"
-    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] | trim + '<|eot_id|>' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"
-)
 CHATML_TEMPLATE = (
     "{%- if messages[0]['role'] != 'system' and default_system -%}"
     "{{- '<|im_start|>system\\n' + default_system + '<|im_end|>\\n' -}}{%- endif -%}"
@@ -79,6 +72,68 @@ CHATML_TEMPLATE = (
     "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+# Written here to render as the published instruct templates do, tool turns included (Qwen2.5: tool answers
+# inside a user turn as <tool_response> blocks, consecutive ones in one turn, the assistant's calls as
+# <tool_call> blocks, the tools listed in the system turn; Llama 3.1: a system header with its knowledge
+# date, tool answers as an `ipython` turn, a call as the turn's JSON {"name", "parameters"}).
+QWEN25_TEMPLATE = (
+    "{%- set default_system = 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' -%}"
+    "{%- set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else default_system -%}"
+    "{{- '<|im_start|>system\\n' + system -}}"
+    "{%- if tools -%}"
+    "{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' -}}"
+    "{%- for t in tools -%}{{- '\\n' + (t | tojson) -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call>' -}}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' and loop.first -%}"
+    "{%- elif m['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- elif m['role'] == 'assistant' and m.get('tool_calls') -%}"
+    "{{- '<|im_start|>assistant' -}}{%- if m['content'] -%}{{- '\\n' + m['content'] -}}{%- endif -%}"
+    "{%- for c in m['tool_calls'] -%}{%- set f = c['function'] if c['function'] is defined else c -%}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + f['name'] + '\", \"arguments\": ' + (f['arguments'] | tojson) "
+    "+ '}\\n</tool_call>' -}}{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- else -%}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+LLAMA31_TEMPLATE = (
+    "{{- bos_token -}}{%- set ns = namespace(first_user=true) -%}"
+    "{%- set system = messages[0]['content'] | trim if messages and messages[0]['role'] == 'system' else '' -%}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' -}}"
+    "{%- if tools -%}{{- 'Environment: ipython\\n' -}}{%- endif -%}"
+    "{{- 'Cutting Knowledge Date: December 2023\\nToday Date: 26 Jul 2024\\n\\n' + system + '<|eot_id|>' -}}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' and loop.first -%}"
+    "{%- elif m['role'] in ('tool', 'ipython') -%}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' -}}"
+    "{%- if m['content'] is mapping or (m['content'] is iterable and m['content'] is not string) -%}"
+    "{{- m['content'] | tojson -}}{%- else -%}{{- m['content'] -}}{%- endif -%}{{- '<|eot_id|>' -}}"
+    "{%- elif m['role'] == 'assistant' and m.get('tool_calls') -%}"
+    "{%- set c = m['tool_calls'][0] -%}{%- set f = c['function'] if c['function'] is defined else c -%}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n{\"name\": \"' + f['name'] + '\", \"parameters\": ' "
+    "+ (f['arguments'] | tojson) + '}<|eot_id|>' -}}"
+    "{%- elif tools and m['role'] == 'user' and ns.first_user -%}{%- set ns.first_user = false -%}"
+    "{{- '<|start_header_id|>user<|end_header_id|>\\n\\nGiven the following functions, please respond with a JSON "
+    "for a function call with its proper arguments that best answers the given prompt.\\n\\nRespond in the format "
+    "{\"name\": function name, \"parameters\": dictionary of argument name and its value}. Do not use variables."
+    "\\n\\n' -}}"
+    "{%- for t in tools -%}{{- (t | tojson(indent=4)) + '\\n\\n' -}}{%- endfor -%}"
+    "{{- m['content'] | trim + '<|eot_id|>' -}}"
+    "{%- else -%}"
+    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] | trim + '<|eot_id|>' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"
 )
 MISTRAL_TEMPLATE = (
     "{{- bos_token -}}"
@@ -105,10 +160,10 @@ PHI3_TEMPLATE = (
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", "llama", {"bos": "<|begin_of_text|>", "eos": "<|eot_id|>", "pad": None, "unk": None},
            ("<|start_header_id|>", "<|end_header_id|>", "<|end_of_text|>"), ("<|eot_id|>", "<|end_of_text|>"),
-           False, LLAMA3_TEMPLATE),
+           False, LLAMA31_TEMPLATE),
     Family("qwen2", "qwen2", {"bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>", "unk": None},
            ("<|im_start|>",), ("<|im_end|>", "<|endoftext|>"), True,
-           CHATML_TEMPLATE.replace("default_system", "'You are a helpful assistant.'")),
+           QWEN25_TEMPLATE),
     Family("qwen3", "qwen3", {"bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>", "unk": None},
            ("<|im_start|>",), ("<|im_end|>", "<|endoftext|>"), True,
            CHATML_TEMPLATE.replace("default_system", "''"), {"head_dim": 16}),

@@ -451,6 +451,29 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | 
     return ids
 
 
+def response_texts(tokenizer: PreTrainedTokenizerBase, batch: Batch) -> list[str]:
+    """The text a reward (and the validation score) reads of each response of `batch`.
+
+    Single-turn: `decode_responses`, cut at the first stop token. Multi-turn (a `turns` column): every real
+    token of the response in order, the model's turns and the observations between them, special tokens
+    kept as they are; only a stop token that ends the whole response is left out. A turn's own end-of-turn
+    token inside the response is not an end (Llama 3.1 ends every turn, a call included, with <|eot_id|>),
+    and the pad token may be the end-of-turn token itself, so the real tokens come from the attention mask.
+    """
+    if "turns" not in batch:
+        return decode_responses(tokenizer, batch["responses"])
+    responses = batch["responses"]
+    real = batch["attention_mask"][:, -responses.shape[1]:].bool()
+    stops = stop_token_ids(tokenizer)
+    texts = []
+    for row, keep in zip(responses.tolist(), real.tolist()):
+        ids = [int(t) for t, k in zip(row, keep) if k]
+        if ids and ids[-1] in stops:
+            ids = ids[:-1]
+        texts.append(str(tokenizer.decode(ids, skip_special_tokens=False)))
+    return texts
+
+
 def decode_responses(
     tokenizer: PreTrainedTokenizerBase,
     response_ids: torch.Tensor | Sequence[Sequence[int]],

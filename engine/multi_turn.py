@@ -1,8 +1,9 @@
 """Multi-turn rollouts with tools: assistant -> tool -> assistant, up to rollout.multi_turn.max_turns.
 
 Each turn generates for the rows still going, from their prompt plus everything so far; a turn that ends
-with a tool call (rollout.multi_turn.format) is cut right after the call, the call runs in the sandbox
-(engine.tools), and its observation is appended to the row's context. A turn without a call, or the last
+with a tool call (rollout.multi_turn.format; hermes' turn is cut right after </tool_call>, llama3_json's
+ends at the model's end-of-turn token) has its call run in the sandbox (engine.tools), and the observation
+is appended as the model's chat template writes a tool message (engine.tools.observation_renderer). A turn without a call, or the last
 turn, ends the row. The row's response is all of it, turns and observations, in one token sequence of at
 most rollout.max_new_tokens:
 
@@ -29,10 +30,11 @@ import torch
 
 from engine.batch import Batch
 from engine.config import RolloutConfig
+from engine.models import stop_token_ids
 from engine.rewards.types import SandboxLimits
 from engine.rollout import SamplingParams
 from engine.seeds import derive_seed
-from engine.tools import CALL_END, ToolCall, ToolSpec, call_tools, observation_text, parse_tool_call
+from engine.tools import CALL_END, ToolCall, ToolSpec, call_tools, observation_renderer, parse_tool_call
 
 
 def generate_multi_turn(rollout: Any, tokenizer: Any, tools: dict[str, tuple[str, ToolSpec]], prompts: Batch,
@@ -40,6 +42,8 @@ def generate_multi_turn(rollout: Any, tokenizer: Any, tools: dict[str, tuple[str
                         stage: str, isolation: Literal["bwrap", "none"] = "bwrap") -> Batch:
     mt = cfg.multi_turn
     limit, pad = cfg.max_new_tokens, int(tokenizer.pad_token_id)
+    render = observation_renderer(tokenizer, mt.format)
+    stops = set(rollout.stop_ids) if hasattr(rollout, "stop_ids") else stop_token_ids(tokenizer)
     rows = len(prompts)
     prompt_rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompts["input_ids"], prompts["attention_mask"])]
     tokens: list[list[int]] = [[] for _ in range(rows)]
@@ -63,6 +67,7 @@ def generate_multi_turn(rollout: Any, tokenizer: Any, tools: dict[str, tuple[str
                 keep = out.response_mask[j].bool()
                 generated[r] = (out.responses[j][keep].tolist(), out.logp[j][keep].tolist())
         pending: list[tuple[int, ToolCall | str]] = []
+        ended: dict[int, str] = {}  # the stop token a calling turn ended with, as text ("" if cut at the call)
         still = []
         for r in going:
             new, lp = generated[r]
@@ -81,6 +86,7 @@ def generate_multi_turn(rollout: Any, tokenizer: Any, tools: dict[str, tuple[str
                 call = parse_tool_call(text, mt.format) if cut is not None else None
             if call is not None and turn + 1 < mt.max_turns and len(tokens[r]) < limit:
                 pending.append((r, call))
+                ended[r] = tokenizer.decode(new[-1:], skip_special_tokens=False) if new and new[-1] in stops else ""
                 still.append(r)
         if pending:
             limits = SandboxLimits(timeout_s=mt.tool_timeout_s, memory_mb=mt.tool_memory_mb, isolation=isolation)
@@ -89,7 +95,7 @@ def generate_multi_turn(rollout: Any, tokenizer: Any, tools: dict[str, tuple[str
             for (r, _), observation in zip(pending, observations):
                 calls[r] += 1
                 errors[r] += observation.startswith("error:")
-                ids = tokenizer(observation_text(mt.format, observation), add_special_tokens=False)["input_ids"]
+                ids = tokenizer(render(ended[r], observation), add_special_tokens=False)["input_ids"]
                 ids = ids[:limit - len(tokens[r])]  # at rollout.max_new_tokens the observation is cut
                 tokens[r] += ids
                 trained[r] += [0] * len(ids)

@@ -34,9 +34,10 @@ from engine.rewards.types import SandboxLimits
 
 Format = Literal["hermes", "llama3_json"]
 FORMATS: tuple[str, ...] = ("hermes", "llama3_json")
-# The text that closes a tool call (where a turn is cut), and the observation's wrapping, per format.
+# The text that closes a tool call (where a turn is cut; llama3_json's turn ends at the model's end-of-turn
+# token), and hermes' own wrapping of an observation, for a chat template without a tool turn.
 CALL_END = {"hermes": "</tool_call>", "llama3_json": None}
-OBSERVATION = {"hermes": "\n<tool_response>\n{}\n</tool_response>\n", "llama3_json": "\n<|ipython|>{}<|eot|>\n"}
+OBSERVATION = {"hermes": "\n<tool_response>\n{}\n</tool_response>\n"}
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _JSON_TYPES: dict[str, tuple[type, ...]] = {"string": (str,), "integer": (int,), "number": (int, float),
                                             "boolean": (bool,), "array": (list,), "object": (dict,)}
@@ -224,8 +225,70 @@ def _observation(name: str, result: Any, limits: SandboxLimits) -> str:
 
 
 def observation_text(fmt: Format, observation: str) -> str:
-    """The text appended to the context after a call: the observation in the format's wrapping."""
+    """The observation in the format's own wrapping: what follows a call when the model's chat template has
+    no tool turn of its own (see `observation_renderer`)."""
     return OBSERVATION[fmt].format(observation)
+
+
+@dataclass(frozen=True)
+class ToolTurn:
+    """Where the chat template puts a tool's answer after an assistant turn: `end` is the text it writes
+    after an assistant message's content (the end of that turn), `before` and `after` wrap the tool
+    message's content up to the next assistant turn's header. Read from the template itself."""
+
+    end: str
+    before: str
+    after: str
+
+
+_ASSISTANT, _TOOL, _OTHER = "\x01rlflow-assistant\x01", "\x01rlflow-tool\x01", "rlflowotherrole"
+
+
+def tool_turn(tokenizer: Any) -> ToolTurn | None:
+    """How the tokenizer's chat template renders a tool message after an assistant message, or None when it
+    renders none of its own: no template, a template that fails or drops the message, or a generic one that
+    writes any role the same way (`<|tool|>...` as `<|anything|>...`)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _ASSISTANT}]
+
+    def render(role: str) -> str:
+        return str(tokenizer.apply_chat_template(base + [{"role": role, "content": _TOOL}], tokenize=False,
+                                                 add_generation_prompt=True))
+
+    try:
+        plain = str(tokenizer.apply_chat_template(base, tokenize=False))
+        full, other = render("tool"), render(_OTHER)
+    except Exception:  # noqa: BLE001 - a template that cannot render a tool message has no tool turn
+        return None
+    if _ASSISTANT not in plain or not full.startswith(plain) or _TOOL not in full[len(plain):]:
+        return None
+    if other.replace(_OTHER, "tool") == full:  # the role's name is all that differs: no tool turn of its own
+        return None
+    before, after = full[len(plain):].split(_TOOL, 1)
+    return ToolTurn(end=plain[plain.index(_ASSISTANT) + len(_ASSISTANT):], before=before, after=after)
+
+
+def observation_renderer(tokenizer: Any, fmt: Format) -> Callable[[str, str], str]:
+    """fn(turn_end, observation) -> the text the model reads after a turn that ended with a call.
+    `turn_end`: the text of the turn's last token when it is a stop token the model generated, else "".
+
+    Through the model's chat template where it renders a tool turn (Qwen2.5's `<|im_start|>user
+    <tool_response>...`, Llama 3.1's `ipython` header): the end of the assistant turn the model did not
+    write itself, the tool turn, and the next assistant header, as the template writes a conversation.
+    Otherwise hermes' own wrapping; llama3_json has none and is refused."""
+    turn = tool_turn(tokenizer)
+    if turn is None:
+        if fmt == "llama3_json":
+            raise ConfigError("rollout.multi_turn.format=llama3_json needs a chat template that renders a tool "
+                              "message (Llama 3.1's writes it as an ipython turn); this model's does not")
+        return lambda turn_end, observation: observation_text(fmt, observation)
+
+    def render(turn_end: str, observation: str) -> str:
+        end = turn.end[len(turn_end):] if turn_end and turn.end.startswith(turn_end) else ("" if turn_end else turn.end)
+        return end + turn.before + observation + turn.after
+
+    return render
 
 
 def describe(tools: dict[str, tuple[str, ToolSpec]]) -> list[dict[str, Any]]:

@@ -28,7 +28,7 @@ from engine.algos import last_index, update_multiplier
 from engine.batch import Batch, response_lengths
 from engine.config import RewardConfig
 from engine.errors import EngineDeadError, RewardError, VersionMismatchError
-from engine.models import decode_responses
+from engine.models import response_texts
 from engine.rewards import score_batch
 from engine.rewards.shaping import overlong_penalty
 from infra.buffers import BufferRef, load_ref, read_buffer, write_buffer
@@ -173,7 +173,7 @@ def generate_rollouts(plan: RunPlan, iteration: int, stage: StageSpec, inputs: d
     else:
         batch = ctx.engine(stage.name).generate(ctx.prompt_batch(iteration), iteration=iteration,
                                                 expected_version=version)
-        batch = batch.with_columns(response_text=decode_responses(ctx.tokenizer, batch["responses"]))
+        batch = batch.with_columns(response_text=response_texts(ctx.tokenizer, batch))
         tokens = float(batch["response_mask"].sum())
         metrics = {}
     gen_s = time.perf_counter() - start
@@ -210,7 +210,7 @@ def _dynamic_sampling(ctx: StageContext, iteration: int, stage: StageSpec, versi
     while sum(len(b) for b in kept) < want * n and draws < ctx.plan.algorithm.max_num_gen_batches:
         out = engine.generate(ctx.prompts_at_step(step), iteration=iteration, expected_version=version, draw=draws)
         step, draws = step + 1, draws + 1
-        out = out.with_columns(response_text=decode_responses(ctx.tokenizer, out["responses"]))
+        out = out.with_columns(response_text=response_texts(ctx.tokenizer, out))
         tokens += float(out["response_mask"].sum())
         drawn += len(out) // n
         rule, penalty, _ = rule_scores(ctx, out)
@@ -274,7 +274,7 @@ def generate_baseline(plan: RunPlan, iteration: int, stage: StageSpec, inputs: d
     out = ctx.engine(stage.name).generate(unique, iteration=iteration, expected_version=ctx.rollout_version(iteration),
                                 do_sample=False)
     seconds = time.perf_counter() - start
-    texts = decode_responses(ctx.tokenizer, out["responses"])
+    texts = response_texts(ctx.tokenizer, out)
     batch = Batch({"baseline_responses": out["responses"].repeat_interleave(n, dim=0),
                    "baseline_response_mask": out["response_mask"].repeat_interleave(n, dim=0)},
                   {"baseline_response_text": [t for t in texts for _ in range(n)]})
@@ -597,7 +597,7 @@ def validate(plan: RunPlan, iteration: int) -> StageResult:
     out = Batch.concat([engine.generate(chunk, iteration=iteration, expected_version=iteration,
                                         do_sample=ctx.plan.rollout.val_do_sample, pool="policy")
                         for chunk in prompts.chunks(ctx.plan.data.val_batch_size)])
-    out = out.with_columns(response_text=decode_responses(ctx.tokenizer, out["responses"]))
+    out = out.with_columns(response_text=response_texts(ctx.tokenizer, out))
     score = _score(ctx, out)
     # The validation responses and their scores, readable like the training buffers (not consumed by any
     # stage: a retried validation replaces them).

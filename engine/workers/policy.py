@@ -42,7 +42,7 @@ from engine.multi_turn import generate_multi_turn
 from engine.reward_model import RewardModelScorer, prompts_of
 from engine.rollout import SamplingParams, make_rollout
 from engine.seeds import derive_seed
-from engine.tools import load_tools
+from engine.tools import load_tools, observation_renderer
 from engine.workers import fsdp
 from engine.workers.base import RankWorker, traced
 from engine.workers.specs import PolicySpec
@@ -96,6 +96,8 @@ class PolicyWorker(RankWorker):
         self.rollout = make_rollout(spec.rollout.name, generator, int(self.tokenizer.pad_token_id), stops,
                                     **(vllm_engine(spec) if self.vllm else {}))
         self.tools = load_tools(spec.rollout.multi_turn.tools) if spec.rollout.multi_turn.enable else {}
+        if spec.rollout.multi_turn.enable:  # a format the chat template cannot render is refused here
+            observation_renderer(self.tokenizer, spec.rollout.multi_turn.format)
         self.reward_model: RewardModelScorer | None = None
         if spec.reward_model is not None:  # last, and on a forked RNG: the policy's draws do not depend on it
             with torch.random.fork_rng(devices=[]):

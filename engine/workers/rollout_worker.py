@@ -17,7 +17,7 @@ from engine import lora, weight_sync
 from engine.batch import Batch
 from engine.models import dropout_left, empty_model, load_model, load_tokenizer, stop_token_ids
 from engine.rollout import make_rollout
-from engine.tools import load_tools
+from engine.tools import load_tools, observation_renderer
 from engine.workers.base import RankWorker, traced
 from engine.workers.policy import PolicySpec, generate_batch, vllm_engine
 
@@ -34,6 +34,8 @@ class RolloutWorker(RankWorker):
         torch.manual_seed(spec.seed)
         self.tokenizer = load_tokenizer(spec.tokenizer_path, trust_remote_code=spec.trust_remote_code)
         self.tools = load_tools(spec.rollout.multi_turn.tools) if spec.rollout.multi_turn.enable else {}
+        if spec.rollout.multi_turn.enable:  # a format the chat template cannot render is refused here
+            observation_renderer(self.tokenizer, spec.rollout.multi_turn.format)
         self.vllm = spec.rollout.name == "vllm"
         if self.vllm:  # the engine holds the weights; an empty (meta) transformers model names what it receives
             empty = empty_model(spec.model_path, trust_remote_code=spec.trust_remote_code)

@@ -145,3 +145,109 @@ def test_json_literals_reach_the_tool_as_the_python_values_json_means() -> None:
     (got,) = call_tools([("0", call)], tools, SandboxLimits(timeout_s=10.0, memory_mb=512), max_chars=1000)
     assert got == repr(sorted({"a": True, "b": False, "c": None, "d": float("inf"), "e": float("-inf"), "f": 1.5,
                                "g": [1, {"h": None}]}.items()))
+
+
+# -- observations as the model's chat template writes them (issue 28, item 1) -----------------------------
+# engine/families.py's qwen2 and llama tokenizers carry templates written to render like the published
+# Qwen2.5 and Llama 3.1 ones, tool turns included; qwen3's is a generic ChatML that writes any role alike.
+
+CALL = {"name": "calculator", "arguments": {"expression": "2+3"}}
+
+
+def _tokenizer(family: str):  # noqa: ANN202
+    from engine.families import FAMILIES, build_tokenizer, task_corpus
+
+    return build_tokenizer(FAMILIES[family], task_corpus("sort", 0, rows=50))
+
+
+def _conversation(fmt: str, answer: str | None = None) -> list[dict]:
+    messages = [{"role": "user", "content": "What is 2+3?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": CALL}]},
+                {"role": "tool", "content": "5"}]
+    return messages + ([{"role": "assistant", "content": answer}] if answer is not None else [])
+
+
+def _call_text(fmt: str) -> str:
+    """The call as the model writes it in its turn (before its end-of-turn token)."""
+    import json
+
+    if fmt == "hermes":
+        return "<tool_call>\n" + json.dumps({"name": CALL["name"], "arguments": CALL["arguments"]}) + "\n</tool_call>"
+    return json.dumps({"name": CALL["name"], "parameters": CALL["arguments"]})
+
+
+@pytest.mark.parametrize(("family", "fmt"), [("qwen2", "hermes"), ("llama", "llama3_json")])
+def test_the_observation_is_the_chat_templates_tool_turn(family: str, fmt: str) -> None:
+    """The prompt, the model's turn (hermes: cut after </tool_call>; llama3_json: ended by its own
+    <|eot_id|>) and the rendered observation are, as text, exactly what the template writes for the
+    conversation with the call and the tool's answer, up to the next assistant header."""
+    from engine.tools import observation_renderer
+
+    tok = _tokenizer(family)
+    render = observation_renderer(tok, fmt)
+    prompt = tok.apply_chat_template(_conversation(fmt)[:1], tokenize=False, add_generation_prompt=True)
+    turn_end = "" if fmt == "hermes" else "<|eot_id|>"
+    written = prompt + _call_text(fmt) + turn_end + render(turn_end, "5")
+    assert written == tok.apply_chat_template(_conversation(fmt), tokenize=False, add_generation_prompt=True)
+
+
+def test_a_template_without_a_tool_turn_gets_hermes_wrapping_and_refuses_llama3_json() -> None:
+    from engine.tools import observation_renderer
+
+    generic = _tokenizer("qwen3")  # ChatML written for any role: `<|im_start|>tool` is not a tool turn
+    assert observation_renderer(generic, "hermes")("", "5") == "\n<tool_response>\n5\n</tool_response>\n"
+    with pytest.raises(ConfigError, match="llama3_json needs a chat template that renders a tool message"):
+        observation_renderer(generic, "llama3_json")
+
+
+class _Scripted:
+    """A rollout backend that writes given turns (each row the same), whatever it is asked."""
+
+    def __init__(self, turns: list[list[int]], stop_ids: list[int], pad: int) -> None:
+        self.turns, self.stop_ids, self.pad = list(turns), stop_ids, pad
+
+    def generate(self, input_ids, attention_mask, params, seed):  # noqa: ANN001, ANN201
+        import torch
+
+        from engine.rollout.base import RolloutOutput
+
+        turn = self.turns.pop(0)[:params.max_new_tokens]
+        rows, width = input_ids.shape[0], params.max_new_tokens
+        responses = torch.full((rows, width), self.pad, dtype=torch.long)
+        mask = torch.zeros((rows, width), dtype=torch.long)
+        responses[:, :len(turn)] = torch.tensor(turn)
+        mask[:, :len(turn)] = 1
+        return RolloutOutput(responses, mask, -0.5 * mask.float())
+
+
+def test_a_llama31_multi_turn_response_is_the_templates_conversation_and_the_reward_reads_all_of_it() -> None:
+    """On main each turn kept its <|eot_id|>, the response text stopped at the first one (the reward saw the
+    call, not the answer), and the observation was `<|ipython|>...<|eot|>`, which is no Llama 3.1 turn."""
+    import torch
+
+    from engine.batch import Batch
+    from engine.config import RolloutConfig
+    from engine.models import encode_prompts, response_texts
+    from engine.multi_turn import generate_multi_turn
+
+    tok = _tokenizer("llama")
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    rollout = _Scripted([ids(_call_text("llama3_json")) + [eot], ids("#### 5") + [eot]], [eot], tok.pad_token_id or eot)
+    cfg = RolloutConfig(max_new_tokens=160, multi_turn={"enable": True, "format": "llama3_json",
+                                                        "tools": ["engine.builtin_tools:calculator"]})
+    enc = encode_prompts(tok, [_conversation("llama3_json")[:1]])
+    prompts = Batch({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask})
+    tools = load_tools(cfg.multi_turn.tools)
+    out = generate_multi_turn(rollout, tok, tools, prompts, cfg, seed=0, iteration=1, rank=0, do_sample=False,
+                              version=0, stage="generate_rollouts", isolation="none")
+    real = out["attention_mask"][0, enc.input_ids.shape[1]:].bool()
+    whole = tok.decode(enc.input_ids[0][enc.attention_mask[0].bool()].tolist() + out["responses"][0][real].tolist())
+    assert whole == tok.apply_chat_template(_conversation("llama3_json", "#### 5"), tokenize=False)
+    assert int(out["tool_calls"][0]) == 1 and int(out["tool_errors"][0]) == 0
+    holes = real & ~out["response_mask"][0].bool()
+    assert tok.decode(out["responses"][0][holes].tolist()) == \
+        "<|start_header_id|>ipython<|end_header_id|>\n\n5<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    assert torch.equal(out["rollout_logp"][0][holes], torch.zeros(int(holes.sum())))
+    (text,) = response_texts(tok, out)
+    assert text.startswith(_call_text("llama3_json") + "<|eot_id|>") and text.endswith("#### 5"), text
