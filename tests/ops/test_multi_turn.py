@@ -67,23 +67,17 @@ def weights(root: Path, run_id: str) -> dict:
     return load_file(root / run_id / "export" / f"step_{ITERATIONS:06d}" / "model.safetensors")
 
 
-@pytest.fixture(scope="module")
-def reference(warm_cli: WarmCli, calc_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp("multi-turn-reference")
-    proc = warm_cli("train", *args(calc_model_dir, root, "mt-ref"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {"root": root, "weights": weights(root, "mt-ref")}
-
-
-def test_turns_observations_and_masks(reference: dict, calc_model_dir: Path) -> None:
+def test_turns_observations_and_masks(vllm_reference: dict, calc_model_dir: Path) -> None:
+    """On the vLLM run's buffers (the turns are engine.multi_turn's whatever the backend; the hf backend's
+    multi-turn rollouts are the broken-tool run's below)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(calc_model_dir)
-    root = reference["root"]
+    root = vllm_reference["root"]
     calls = answered = 0
     for i in range(1, ITERATIONS + 1):
-        rollout = buffer(root, "mt-ref", i, "rollout")
-        frame = pd.read_parquet(root / "mt-ref" / "buffers" / f"iter_{i:06d}" / "rollout.parquet")
+        rollout = buffer(root, "vllm-ref", i, "rollout")
+        frame = pd.read_parquet(root / "vllm-ref" / "buffers" / f"iter_{i:06d}" / "rollout.parquet")
         p = rollout["prompt_ids"].shape[1]
         for r in range(len(rollout)):
             turns = json.loads(frame["turns"][r])
@@ -108,7 +102,7 @@ def test_turns_observations_and_masks(reference: dict, calc_model_dir: Path) -> 
                     assert call is not None and observation == calculator(**call.arguments)
                     answered += 1
             calls += len(observations)
-        adv = buffer(root, "mt-ref", i, "advantage")
+        adv = buffer(root, "vllm-ref", i, "advantage")
         assert bool((adv["adv"][~adv["response_mask"].bool()] == 0).all())  # no advantage on a hole
     assert calls > 0, "the warm-started model made no tool call: the test checks nothing"
     assert answered > 0, "no call was answered by the calculator: only the error path was checked"
