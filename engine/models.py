@@ -462,8 +462,8 @@ def response_texts(tokenizer: PreTrainedTokenizerBase, batch: Batch) -> list[str
     """
     if "turns" not in batch:
         return decode_responses(tokenizer, batch["responses"])
-    responses = batch["responses"]
-    real = batch["attention_mask"][:, -responses.shape[1]:].bool()
+    responses = batch.tensors["responses"]
+    real = batch.tensors["attention_mask"][:, -responses.shape[1]:].bool()
     stops = stop_token_ids(tokenizer)
     texts = []
     for row, keep in zip(responses.tolist(), real.tolist()):
