@@ -97,25 +97,6 @@ def test_generate_logprob_update_and_weight_sync(engine: Engine, tiny_model_dir:
     assert float((actor_logp - plain_logp)[mask].abs().max()) <= 1e-5
 
 
-def test_parameter_and_optimizer_bytes_per_rank_halve(ray_address: str, tiny_model_dir: Path) -> None:
-    sizes = {}
-    for world in (1, 2):
-        eng = Engine.start(make_spec(tiny_model_dir, f"mem-{world}", world_size=world, use_ref=False))
-        try:
-            batch = eng.generate(prompts(tiny_model_dir), iteration=1, expected_version=0)
-            old = eng.compute_log_prob(batch, expected_version=0)
-            eng.update_actor(batch.with_tensors(old_logp=old["old_logp"], adv=batch["response_mask"].float()),
-                             iteration=1, expected_version=0)  # creates the AdamW moments
-            sizes[world] = eng.policy.call("memory_bytes")
-        finally:
-            eng.stop()
-    one = sizes[1][0]["params"] + sizes[1][0]["optimizer"]
-    for rank in (0, 1):
-        two = sizes[2][rank]["params"] + sizes[2][rank]["optimizer"]
-        print(f"rank {rank}: {two} parameter+optimizer bytes with 2 ranks, {one} with 1 ({two / one:.3f})")
-        assert 0.45 <= two / one <= 0.55
-
-
 @pytest.mark.parametrize("backend", ["local", "s3"])
 def test_save_stop_load_gives_a_bit_identical_next_update(backend: str, ray_address: str, tiny_model_dir: Path,
                                                           tmp_path: Path, request: pytest.FixtureRequest) -> None:
@@ -313,6 +294,39 @@ def test_responses_of_1024_tokens_and_their_clip_ratio(ray_address: str, tmp_pat
 # The tests that share one engine come last: it lives until the module ends.
 
 
+# -- one engine for the memory figures, the refused loads and the rank errors: a refused load changes
+# nothing, and the rank errors come last (the last one kills rank 1). In this order, in this file; the memory
+# test before the unchanged engine starts (the head's 4 CPUs: this engine's 2 and a 1-rank one, then the
+# unchanged engine's 2).
+@pytest.fixture(scope="module")
+def scratch_engine(ray_address: str, tiny_model_dir: Path):
+    eng = Engine.start(make_spec(tiny_model_dir, "scratch"))
+    yield eng
+    eng.stop()
+
+
+def test_parameter_and_optimizer_bytes_per_rank_halve(ray_address: str, tiny_model_dir: Path,
+                                                      scratch_engine: Engine) -> None:
+    """One rank against the module's 2-rank engine (its update here creates the AdamW moments; the tests
+    after it save and load their own checkpoints)."""
+    sizes = {}
+    one = Engine.start(make_spec(tiny_model_dir, "mem-1", world_size=1, use_ref=False))
+    try:
+        for world, eng in ((1, one), (2, scratch_engine)):
+            batch = eng.generate(prompts(tiny_model_dir), iteration=1, expected_version=0)
+            old = eng.compute_log_prob(batch, expected_version=0)
+            eng.update_actor(batch.with_tensors(old_logp=old["old_logp"], adv=batch["response_mask"].float()),
+                             iteration=1, expected_version=0)  # creates the AdamW moments
+            sizes[world] = eng.policy.call("memory_bytes")
+    finally:
+        one.stop()
+    one_rank = sizes[1][0]["params"] + sizes[1][0]["optimizer"]
+    for rank in (0, 1):
+        two = sizes[2][rank]["params"] + sizes[2][rank]["optimizer"]
+        print(f"rank {rank}: {two} parameter+optimizer bytes with 2 ranks, {one_rank} with 1 ({two / one_rank:.3f})")
+        assert 0.45 <= two / one_rank <= 0.55
+
+
 @pytest.fixture(scope="module")
 def unchanged_engine(ray_address: str, tiny_model_dir: Path):
     """One engine for the tests that only read it (generate, export, attach). The generate and attach
@@ -382,15 +396,6 @@ def test_another_process_attaches_by_name(unchanged_engine: Engine, ray_address:
     assert "versions [0, 0]" in proc.stdout, proc.stderr[-3000:]
     assert "refused: the live policy workers of run" in proc.stdout
     assert "rlflow engine stop" in proc.stdout
-
-
-# -- one engine for the refused loads and the rank errors: a refused load changes nothing, and the rank
-# errors come last (the last one kills rank 1). In this order, in this file.
-@pytest.fixture(scope="module")
-def scratch_engine(ray_address: str, tiny_model_dir: Path):
-    eng = Engine.start(make_spec(tiny_model_dir, "scratch"))
-    yield eng
-    eng.stop()
 
 
 def test_a_shard_only_one_rank_reads_is_reported_corrupt_by_every_rank(scratch_engine: Engine, tmp_path: Path) -> None:
