@@ -3,8 +3,8 @@
 Each turn generates for the rows still going, from their prompt plus everything so far; a turn that ends
 with a tool call (rollout.multi_turn.format; hermes' turn is cut right after </tool_call>, llama3_json's
 ends at the model's end-of-turn token) has its call run in the sandbox (engine.tools), and the observation
-is appended as the model's chat template writes a tool message (engine.tools.observation_renderer). A turn without a call, or the last
-turn, ends the row. The row's response is all of it, turns and observations, in one token sequence of at
+is appended as the model's chat template writes a tool message (engine.tools.observation_renderer). A turn
+without a call, or the last turn, ends the row. The row's response is all of it, turns and observations, in one token sequence of at
 most rollout.max_new_tokens:
 
     responses      [B, T]  generated and observation tokens, pad after the end
@@ -30,7 +30,6 @@ import torch
 
 from engine.batch import Batch
 from engine.config import RolloutConfig
-from engine.models import stop_token_ids
 from engine.rewards.types import SandboxLimits
 from engine.rollout import SamplingParams
 from engine.seeds import derive_seed
@@ -43,7 +42,7 @@ def generate_multi_turn(rollout: Any, tokenizer: Any, tools: dict[str, tuple[str
     mt = cfg.multi_turn
     limit, pad = cfg.max_new_tokens, int(tokenizer.pad_token_id)
     render = observation_renderer(tokenizer, mt.format)
-    stops = set(rollout.stop_ids) if hasattr(rollout, "stop_ids") else stop_token_ids(tokenizer)
+    stops = set(rollout.stop_ids)
     rows = len(prompts)
     prompt_rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompts["input_ids"], prompts["attention_mask"])]
     tokens: list[list[int]] = [[] for _ in range(rows)]

@@ -285,7 +285,12 @@ def observation_renderer(tokenizer: Any, fmt: Format) -> Callable[[str, str], st
         return lambda turn_end, observation: observation_text(fmt, observation)
 
     def render(turn_end: str, observation: str) -> str:
-        end = turn.end[len(turn_end):] if turn_end and turn.end.startswith(turn_end) else ("" if turn_end else turn.end)
+        if not turn_end:  # cut at the call: the template's end of the turn is still to come
+            end = turn.end
+        elif turn.end.startswith(turn_end):  # the model wrote the template's end-of-turn token itself
+            end = turn.end[len(turn_end):]
+        else:  # another stop token of the model's (Llama's <|eom_id|> for <|eot_id|>) stands for it
+            end = ""
         return end + turn.before + observation + turn.after
 
     return render

@@ -34,6 +34,8 @@ class RolloutOutput:
 class RolloutBackend(Protocol):
     """What a policy or rollout rank holds (rollout.name picks the class: engine/rollout/__init__.py)."""
 
+    stop_ids: list[int]  # the tokens that end a response (a multi-turn turn ends at one too)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> int:
         """New weights, as (name, full tensor) pairs under the transformers model's names, consumed one at a
         time (a generator may gather each one from the FSDP shards as it is asked for it): all of them, or

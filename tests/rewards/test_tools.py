@@ -160,7 +160,7 @@ def _tokenizer(family: str):  # noqa: ANN202
     return build_tokenizer(FAMILIES[family], task_corpus("sort", 0, rows=50))
 
 
-def _conversation(fmt: str, answer: str | None = None) -> list[dict]:
+def _conversation(answer: str | None = None) -> list[dict]:
     messages = [{"role": "user", "content": "What is 2+3?"},
                 {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": CALL}]},
                 {"role": "tool", "content": "5"}]
@@ -185,10 +185,10 @@ def test_the_observation_is_the_chat_templates_tool_turn(family: str, fmt: str) 
 
     tok = _tokenizer(family)
     render = observation_renderer(tok, fmt)
-    prompt = tok.apply_chat_template(_conversation(fmt)[:1], tokenize=False, add_generation_prompt=True)
+    prompt = tok.apply_chat_template(_conversation()[:1], tokenize=False, add_generation_prompt=True)
     turn_end = "" if fmt == "hermes" else "<|eot_id|>"
     written = prompt + _call_text(fmt) + turn_end + render(turn_end, "5")
-    assert written == tok.apply_chat_template(_conversation(fmt), tokenize=False, add_generation_prompt=True)
+    assert written == tok.apply_chat_template(_conversation(), tokenize=False, add_generation_prompt=True)
 
 
 def test_a_template_without_a_tool_turn_gets_hermes_wrapping_and_refuses_llama3_json() -> None:
@@ -236,14 +236,14 @@ def test_a_llama31_multi_turn_response_is_the_templates_conversation_and_the_rew
     rollout = _Scripted([ids(_call_text("llama3_json")) + [eot], ids("#### 5") + [eot]], [eot], tok.pad_token_id or eot)
     cfg = RolloutConfig(max_new_tokens=160, multi_turn={"enable": True, "format": "llama3_json",
                                                         "tools": ["engine.builtin_tools:calculator"]})
-    enc = encode_prompts(tok, [_conversation("llama3_json")[:1]])
+    enc = encode_prompts(tok, [_conversation()[:1]])
     prompts = Batch({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask})
     tools = load_tools(cfg.multi_turn.tools)
     out = generate_multi_turn(rollout, tok, tools, prompts, cfg, seed=0, iteration=1, rank=0, do_sample=False,
                               version=0, stage="generate_rollouts", isolation="none")
     real = out["attention_mask"][0, enc.input_ids.shape[1]:].bool()
     whole = tok.decode(enc.input_ids[0][enc.attention_mask[0].bool()].tolist() + out["responses"][0][real].tolist())
-    assert whole == tok.apply_chat_template(_conversation("llama3_json", "#### 5"), tokenize=False)
+    assert whole == tok.apply_chat_template(_conversation("#### 5"), tokenize=False)
     assert int(out["tool_calls"][0]) == 1 and int(out["tool_errors"][0]) == 0
     holes = real & ~out["response_mask"][0].bool()
     assert tok.decode(out["responses"][0][holes].tolist()) == \
