@@ -346,6 +346,10 @@ class PlacementConfig(Section):
     sync_bucket_mb: float = Field(32.0, gt=0, description="split: the weight sync's bucket size (MB per broadcast)")
     cpus_per_rank: int | None = Field(None, gt=0, description="CPUs (torch threads) of every rank; default: this "
                                       "machine's cores / all ranks (training + rollout)")
+    cpu_kernels: Literal["auto", "avx2", "native"] = Field(
+        "auto", description="the CPU kernels of torch in every worker and rank and of the tiny model's build: "
+        "avx2 gives the same bytes on every x86-64 machine that has it, native the fastest this CPU has; "
+        "auto: avx2 where the CPU has it (engine/cpu_kernels.py)")
 
 
 class CriticConfig(OptimConfig):

@@ -385,11 +385,15 @@ def ensure_synthetic_data(
 ) -> tuple[Path, Path]:
     """The train and validation parquet files of a synthetic task, written on first use, then reused.
 
-    The file names carry (task, size, seed), so a run with other settings never reuses stale files.
+    The file names carry (task, size, seed) and the generator's source (engine.models.source_digest), so
+    a run with other settings, or after an edit to the generator, never reuses stale files.
     """
+    from engine.models import source_digest
+
     out = Path(out_dir)
-    train = out / f"{task}_train_n{train_size}_seed{seed}.parquet"
-    val = out / f"{task}_val_n{val_size}_seed{seed}.parquet"
+    digest = source_digest(Path(synthetic.__file__))
+    train = out / f"{task}_train_n{train_size}_seed{seed}_{digest}.parquet"
+    val = out / f"{task}_val_n{val_size}_seed{seed}_{digest}.parquet"
     if train.exists() and val.exists():
         return train, val
     return make_synthetic_files(

@@ -14,6 +14,7 @@ Shapes: B prompts or responses, P prompt tokens (after padding), T response toke
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import logging
 import os
@@ -55,30 +56,42 @@ def cache_dir() -> Path:
     return Path(os.environ.get("RLFLOW_CACHE") or Path.home() / ".cache" / "rlflow").expanduser()
 
 
+def source_digest(*files: Path) -> str:
+    """12 hex digits of the files' contents and the torch and transformers versions: the name a cached
+    build carries of the code that made it, so an edit to its builder is never served an old build."""
+    import transformers
+
+    digest = hashlib.sha256(f"torch={torch.__version__};transformers={transformers.__version__}".encode())
+    for path in files:
+        digest.update(b"\0" + Path(path).name.encode() + b"\0" + Path(path).read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def hub_offline() -> bool:
     # Read at call time: huggingface_hub reads these variables once, at import.
     return any(os.environ.get(k, "").upper() in _TRUE for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
-def resolve_model_path(model_cfg: ModelConfig, task: str) -> str:
-    """A directory or hub id that `from_pretrained` can load; "tiny" is built (once) for `task`."""
+def resolve_model_path(model_cfg: ModelConfig, task: str, kernels: dict[str, str] | None = None) -> str:
+    """A directory or hub id that `from_pretrained` can load; "tiny" is built (once) for `task`, with the
+    CPU kernels `kernels` pins (engine.cpu_kernels.kernel_env; default: this process's)."""
     seed = model_cfg.tiny_seed
     if model_cfg.path == TINY:
         from engine import tiny  # engine.tiny imports this module
 
-        return str(tiny.cached_tiny(task, seed))
+        return str(tiny.cached_tiny(task, seed, kernels))
     if seed != ModelConfig.model_fields["tiny_seed"].default:
         raise ConfigError(f"model.tiny_seed={seed} is not allowed with model.path={model_cfg.path!r}: it seeds the "
                           "built tiny model only (model.path=tiny)")
     return _resolve_pretrained(model_cfg.path, what="model.path", probe="config.json")
 
 
-def resolve_tokenizer_path(model_cfg: ModelConfig, task: str) -> str:
+def resolve_tokenizer_path(model_cfg: ModelConfig, task: str, kernels: dict[str, str] | None = None) -> str:
     """`model.tokenizer_path` when set, else the model's own directory."""
     if model_cfg.tokenizer_path is None:
-        return resolve_model_path(model_cfg, task)
+        return resolve_model_path(model_cfg, task, kernels)
     if model_cfg.tokenizer_path == TINY:
-        return resolve_model_path(model_cfg.model_copy(update={"path": TINY}), task)
+        return resolve_model_path(model_cfg.model_copy(update={"path": TINY}), task, kernels)
     return _resolve_pretrained(
         model_cfg.tokenizer_path, what="model.tokenizer_path", probe="tokenizer_config.json"
     )
@@ -138,7 +151,6 @@ def model_identity(path: str) -> dict[str, Any]:
     bytes, in name order), which a LoRA run's adapters (and any run's reference model) depend on. A hub
     id is hashed in the local snapshot the workers load. Hashes are cached by the files' sizes and mtimes,
     so a resume of a large model does not read it again."""
-    import hashlib
     import json
 
     folder = Path(path).expanduser()

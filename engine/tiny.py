@@ -8,9 +8,10 @@ No hub can be reached here, so the default run and the tests use a model the pro
 - warm start: supervised fine-tuning on the synthetic task (loss on response tokens only), stopped
   early on purpose so that greedy decoding is right sometimes, not always: RL has something to learn.
 
-The same (task, seed, steps) gives the same weights on one machine: every random draw is seeded, the
-data order is fixed, and the build runs with a fixed number of torch threads and deterministic
-algorithms. `weights_sha256` in `rlflow_tiny.json` is the check.
+The same (task, seed, steps) gives the same weights on every machine with the same CPU kernels (AVX2 on
+x86-64 by default, engine.cpu_kernels): every random draw is seeded, the data order is fixed, and the
+build runs with a fixed number of torch threads and deterministic algorithms. `weights_sha256` in
+`rlflow_tiny.json` is the check.
 
 Shapes: B sequences, L tokens (prompt + response, right padded for training).
 """
@@ -28,6 +29,8 @@ import os
 import re
 import shutil
 import string
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -46,6 +49,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from engine.cpu_kernels import AVX2_ENV, kernel_tag, pinned_here
 from engine.errors import ConfigError, RLFlowError
 from engine.models import (
     cache_dir,
@@ -54,11 +58,13 @@ from engine.models import (
     load_model,
     load_tokenizer,
     prompt_text,
+    source_digest,
 )
 from engine.synthetic import TASKS, make_rows, solution_text
 
-# Bump when anything below changes what a build produces: cached builds carry it in their name.
-BUILDER_VERSION = 1
+# What a cached build's name carries of the code that made it: the builder's own source and the
+# libraries' versions (engine.models.source_digest), so an edited builder never reuses an old build.
+BUILDER_FILES = ("tiny.py", "synthetic.py")
 REPORT_FILE = "rlflow_tiny.json"
 
 # The recipe. Steps per task are tuned so that greedy decoding is right about 10-50 % of the time on
@@ -114,7 +120,8 @@ class TinyReport:
     task: str
     seed: int
     steps: int
-    builder_version: int
+    builder_digest: str
+    cpu_capability: str  # the kernels torch ran the build with (engine.cpu_kernels)
     weights_sha256: str
     val_exact_answer_rate: float
     val_rows: int
@@ -412,7 +419,8 @@ def _build_into(directory: Path, task: str, seed: int, steps: int, shape: TinySh
         task=task,
         seed=seed,
         steps=steps,
-        builder_version=BUILDER_VERSION,
+        builder_digest=builder_digest(),
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
         weights_sha256=digest,
         val_exact_answer_rate=rate,
         val_rows=EVAL_ROWS,
@@ -444,17 +452,25 @@ def read_report(model_dir: str | Path) -> TinyReport:
     return TinyReport(**json.loads((Path(model_dir) / REPORT_FILE).read_text()))
 
 
-def tiny_cache_path(task: str, seed: int) -> Path:
-    return cache_dir() / "models" / f"tiny-{task}-s{seed}-v{BUILDER_VERSION}"
+def builder_digest() -> str:
+    return source_digest(*(Path(__file__).with_name(name) for name in BUILDER_FILES))
 
 
-def cached_tiny(task: str, seed: int) -> Path:
-    """The cached tiny model for (task, seed), built on first use.
+def tiny_cache_path(task: str, seed: int, kernels: dict[str, str] | None = None) -> Path:
+    """Where the build of (task, seed) made by this builder with `kernels` (default: this process's) lives."""
+    tag = kernel_tag(dict(os.environ) if kernels is None else kernels)
+    return cache_dir() / "models" / f"tiny-{task}-s{seed}-{builder_digest()}-{tag}"
+
+
+def cached_tiny(task: str, seed: int, kernels: dict[str, str] | None = None) -> Path:
+    """The cached tiny model for (task, seed), built on first use with the CPU kernels `kernels` pins
+    (engine.cpu_kernels.kernel_env; default: this process's own). The variables take effect only before
+    torch loads, so a build for kernels this process does not run is made by a process of its own.
 
     A lock file keeps concurrent builders from doing the work twice; the rename in `build_tiny` keeps
     a crashed build from ever looking complete.
     """
-    path = tiny_cache_path(task, seed)
+    path = tiny_cache_path(task, seed, kernels)
     if (path / REPORT_FILE).is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -465,5 +481,26 @@ def cached_tiny(task: str, seed: int) -> Path:
         # Holding the lock, anything half-built here is from a builder that died: clear it away.
         for junk in [path, *path.parent.glob(f".{path.name}.tmp-*")]:
             shutil.rmtree(junk, ignore_errors=True)
-        build_tiny(path, task, seed)
+        if kernels is None or pinned_here(kernels):
+            build_tiny(path, task, seed)
+        else:
+            build_in_subprocess(path, task, seed, kernels)
     return path
+
+
+def build_in_subprocess(path: Path, task: str, seed: int, kernels: dict[str, str], steps: int | None = None) -> None:
+    """`build_tiny` in a new Python process that starts with `kernels` in place of this one's."""
+    env = {key: value for key, value in os.environ.items() if key not in AVX2_ENV}
+    env.update(kernels)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+    argv = [str(path), task, str(seed), *([] if steps is None else [str(steps)])]
+    done = subprocess.run([sys.executable, "-m", "engine.tiny", *argv], env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RLFlowError(f"building the tiny {task} model (seed {seed}) failed: {last}")
+
+
+if __name__ == "__main__":  # python -m engine.tiny OUT TASK SEED [STEPS]: a build in a process of its own
+    build_tiny(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else None)

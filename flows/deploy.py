@@ -216,6 +216,7 @@ def base_model_dir(base: BaseCheckpoint, store: ObjectStore, trust_remote_code: 
 def _export_policy(base: BaseCheckpoint, store: ObjectStore, tmp: Path, trust_remote_code: bool) -> None:
     """Verify and fetch the step, load its policy shards into the parent's model, save_pretrained."""
     from engine.checkpoint_io import load_state
+    from engine.cpu_kernels import kernel_env
     from engine.models import load_model, load_tokenizer, resolve_model_path, resolve_tokenizer_path
 
     parent = build_config(RunStore(store, base.run_id).read_run_info()["config"])
@@ -224,7 +225,8 @@ def _export_policy(base: BaseCheckpoint, store: ObjectStore, tmp: Path, trust_re
                           f"{parent.model.trust_remote_code!r} where your config gives {trust_remote_code!r}; what a "
                           "run executes is never taken from storage: set model.trust_remote_code yourself")
     CheckpointStore(store, base.run_id).fetch(base.step, str(tmp / "ckpt"))  # verifies every file
-    model = load_model(resolve_model_path(parent.model, parent.data.task), dtype=parent.model.dtype,
+    kernels = kernel_env(parent.placement.cpu_kernels)  # the parent run's own build of a tiny model
+    model = load_model(resolve_model_path(parent.model, parent.data.task, kernels), dtype=parent.model.dtype,
                        trust_remote_code=trust_remote_code)
     wrapped = None
     if parent.actor.lora.enabled:  # an adapter-only checkpoint: its adapters, merged into the parent's base
@@ -240,7 +242,7 @@ def _export_policy(base: BaseCheckpoint, store: ObjectStore, tmp: Path, trust_re
     if wrapped is not None:
         model = wrapped.merge_and_unload()
     model.save_pretrained(tmp / "hf")
-    load_tokenizer(resolve_tokenizer_path(parent.model, parent.data.task),
+    load_tokenizer(resolve_tokenizer_path(parent.model, parent.data.task, kernels),
                    trust_remote_code=trust_remote_code).save_pretrained(tmp / "hf")
 
 

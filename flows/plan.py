@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.config import RewardConfig
+from engine.cpu_kernels import kernel_env
 from engine.errors import ConfigError, RewardError
 from flows.config import RLConfig, build_config, load_config
 from infra.config import StorageConfig
@@ -161,8 +162,9 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
                           f"--resume {run_id}, or choose another trainer.run_id")
     if resume and not exists:
         raise ConfigError(f"--resume {run_id}: no run {run_id!r} under {store.url()}")
-    model_path = resolve_model_path(cfg.model, cfg.data.task)
-    tokenizer_path = resolve_tokenizer_path(cfg.model, cfg.data.task)
+    kernels = kernel_env(cfg.placement.cpu_kernels)  # the ranks' kernels (flows.train.worker_env)
+    model_path = resolve_model_path(cfg.model, cfg.data.task, kernels)
+    tokenizer_path = resolve_tokenizer_path(cfg.model, cfg.data.task, kernels)
     tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=cfg.model.trust_remote_code)
     tools = describe(load_tools(cfg.rollout.multi_turn.tools)) if cfg.rollout.multi_turn.enable else None
     train, val = load_train_val(cfg.data, length_fn=lambda p: prompt_lengths(tokenizer, [p], tools)[0],

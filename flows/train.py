@@ -33,6 +33,7 @@ from prefect_ray.context import remote_options
 
 from engine.advantage import make_kl_controller
 from engine.checkpoint_io import CheckpointCorruptError
+from engine.cpu_kernels import kernel_env
 from engine.engine import Engine
 from engine.errors import ConfigError, EngineDeadError, EngineHungError, VersionMismatchError
 from flows import pipeline, progress, report, trace
@@ -621,6 +622,8 @@ _WORKER_ENV = ("PREFECT_API_URL", "PREFECT_HOME", "PREFECT_LOGGING_LEVEL", "PREF
 
 def worker_env(cfg: RLConfig) -> dict[str, str]:
     env = {key: os.environ[key] for key in _WORKER_ENV if key in os.environ}
+    # The same CPU kernels on every machine: the run's bytes do not depend on where it runs.
+    env.update(kernel_env(cfg.placement.cpu_kernels))
     key_id = cfg.storage.access_key_id.get_secret_value() if cfg.storage.access_key_id else \
         os.environ.get("AWS_ACCESS_KEY_ID")
     secret = cfg.storage.secret_access_key.get_secret_value() if cfg.storage.secret_access_key else \

@@ -288,7 +288,8 @@ def test_load_train_val_from_config(tmp_path: Path) -> None:
     train, val = load_train_val(cfg, length_fn=message_length, synthetic_dir=tmp_path)
     assert val is not None and len(val) <= 8 and 0 < len(train) <= 40
     assert all(len(r.prompt[-1]["content"]) <= 12 for r in train)
-    files = DataConfig(train_files=[str(tmp_path / "sort_train_n40_seed0.parquet")])
+    [written] = tmp_path.glob("sort_train_n40_seed0_*.parquet")  # the name ends with the generator's digest
+    files = DataConfig(train_files=[str(written)])
     train, val = load_train_val(files, length_fn=message_length, synthetic_dir=tmp_path / "unused")
     assert val is None and len(train) == 40 and not (tmp_path / "unused").exists()
 

@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerFast
 
 from engine import tiny
 from engine.config import ModelConfig
+from engine.cpu_kernels import AVX2_ENV, has_avx2, kernel_env, kernel_tag
 from engine.errors import ConfigError
 from engine.models import (
     ModelLoadError,
@@ -140,13 +141,44 @@ def test_tiny_is_built_once_and_cached(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setattr(tiny, "build_tiny", quick_build)
     cfg = ModelConfig(path="tiny", tiny_seed=3)
     first = resolve_model_path(cfg, task="sort")
-    assert Path(first) == tmp_path / "cache" / "models" / f"tiny-sort-s3-v{tiny.BUILDER_VERSION}"
+    tag = kernel_tag(dict(os.environ))
+    assert Path(first) == tmp_path / "cache" / "models" / f"tiny-sort-s3-{tiny.builder_digest()}-{tag}"
     mtime = os.stat(Path(first) / tiny.REPORT_FILE).st_mtime_ns
     assert resolve_model_path(cfg, task="sort") == first
     assert len(builds) == 1 and os.stat(Path(first) / tiny.REPORT_FILE).st_mtime_ns == mtime
     assert tiny.read_report(first).task == "sort"
     leftovers = [p.name for p in (tmp_path / "cache" / "models").iterdir() if ".tmp-" in p.name]
     assert leftovers == []
+
+
+def test_an_edited_builder_never_reuses_a_cached_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache name carries the builder's source: one edited character is another build."""
+    monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path / "cache"))
+    before = tiny.tiny_cache_path("sort", 0)
+    copy = tmp_path / "src"
+    copy.mkdir()
+    for name in tiny.BUILDER_FILES:
+        (copy / name).write_bytes(Path(tiny.__file__).with_name(name).read_bytes())
+    monkeypatch.setattr(tiny, "__file__", str(copy / "tiny.py"))
+    assert tiny.tiny_cache_path("sort", 0) == before  # the same source, the same build
+    with open(copy / "synthetic.py", "a") as handle:
+        handle.write("\n# edited\n")
+    assert tiny.tiny_cache_path("sort", 0) != before
+    # and the kernels a build runs with are part of its name
+    assert tiny.tiny_cache_path("sort", 0, {}).name.endswith("-native")
+    assert tiny.tiny_cache_path("sort", 0, dict(AVX2_ENV)).name.endswith("-avx2")
+
+
+def test_cpu_kernels_modes() -> None:
+    assert kernel_env("native") == {}
+    assert kernel_env("auto") == (dict(AVX2_ENV) if has_avx2() else {})
+    with pytest.raises(ConfigError, match=r"placement.cpu_kernels='sse'; allowed: auto, avx2, native"):
+        kernel_env("sse")
+    if has_avx2():
+        assert kernel_env("avx2") == AVX2_ENV
+    else:
+        with pytest.raises(ConfigError, match="this CPU has no AVX2"):
+            kernel_env("avx2")
 
 
 def test_a_half_built_cache_entry_is_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

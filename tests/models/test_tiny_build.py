@@ -49,7 +49,8 @@ def test_report_describes_the_saved_weights(quick_tiny: tuple[Path, TinyReport])
     out, report = quick_tiny
     on_disk = json.loads((out / tiny.REPORT_FILE).read_text())
     assert on_disk["task"] == "arith" and on_disk["seed"] == 0 and on_disk["steps"] == report.steps
-    assert on_disk["builder_version"] == tiny.BUILDER_VERSION
+    assert on_disk["builder_digest"] == tiny.builder_digest()
+    assert on_disk["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert on_disk["build_seconds"] > 0
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     assert weights_sha256(reloaded) == report.weights_sha256

@@ -144,3 +144,56 @@ def test_ctrl_c_stops_after_committing_the_current_iteration(cli: Cli, tiny_mode
     assert 1 <= last < 50
     latest = (tmp_path / "interrupted" / "checkpoints" / "LATEST").read_text().strip()
     assert latest.endswith(str(last))  # what finished is committed, so a resume goes on from there
+
+
+def test_a_run_gives_the_same_bytes_under_another_machine_state(
+    cli: Cli, warm_cli: WarmCli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 28 item 9: a run's result must not depend on the state of the machine. One short GRPO run of
+    the default model (the tiny sort model, built on first use) twice:
+    - on a stack whose Ray node (so every stage worker and rank) and CLI process start with torch's
+      generic kernels, MKL's compatible path, oneDNN at SSE4.1 (what another CPU changes) and one OpenMP
+      thread, another process loading a core, and an empty model cache: the tiny model is built here;
+    - on the session's stack, unloaded, the model from that cache.
+    The exported weights are the same bytes and the iteration's reward and loss the same numbers: the run
+    pins the kernels of its workers and of the build (placement.cpu_kernels=auto), and the build's report
+    says so. Not varied: the ranks' torch threads, which placement.cpus_per_rank sets (default: the
+    cores / the ranks; another count sums in another order)."""
+    import hashlib
+    import subprocess
+    import sys
+
+    from infra.config import StackConfig
+    from infra.stack import LocalStack
+    from tests.services import quiet_port
+
+    cache = tmp_path / "cache"
+
+    def run(runner: Cli | WarmCli, run_id: str, env: dict[str, str]) -> tuple[str, float, float]:
+        proc = runner("train", f"storage.root={tmp_path}", f"trainer.run_id={run_id}", "trainer.total_iterations=1",
+                      "trainer.val_every=0", "data.train_batch_size=8", "actor.mini_batch_size=32",
+                      "actor.micro_batch_size=32", env={"RLFLOW_CACHE": str(cache), **env})
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        weights = (tmp_path / run_id / "export" / "step_000001" / "model.safetensors").read_bytes()
+        metrics = json.loads((tmp_path / run_id / "metrics" / "iter_000001.json").read_text())
+        return hashlib.sha256(weights).hexdigest(), metrics["critic/score/mean"], metrics["actor/pg_loss"]
+
+    other = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41",
+             "OMP_NUM_THREADS": "1"}
+    with monkeypatch.context() as patch:
+        for key, value in other.items():  # the other stack's Ray node (and so its workers) starts with these
+            patch.setenv(key, value)
+        home = tmp_path / "other-stack"
+        stack = LocalStack(StackConfig(home=str(home), prefect_port=quiet_port(), ray_port=quiet_port()))
+        stack.up()
+    load = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        there = run(cli, "there", {**other, "RLFLOW_HOME": str(home)})
+    finally:
+        load.kill()
+        load.wait()
+        stack.down()
+    [report] = (cache / "models").glob("tiny-sort-s0-*/rlflow_tiny.json")
+    assert report.parent.name.endswith("-avx2") and json.loads(report.read_text())["cpu_capability"] == "AVX2"
+    here = run(warm_cli, "here", {})
+    assert here == there
