@@ -1,8 +1,9 @@
 """Sharded equals one process, compared where the claim lives: the gradient before the optimizer step.
 
 Also (issue "real models"): token-budget micro-batches, packed sequences, activation checkpointing and
-CPU offload each give the plain path's gradient; bf16 mixed precision tracks the fp32 losses with fp32
-master weights and optimizer state; generating from the actor equals generating from a copy.
+CPU offload each give the plain path's gradient; bf16 mixed precision computes the gradient in bf16 and
+reduces it in fp32, with fp32 master weights and optimizer state; generating from the actor equals
+generating from a copy.
 
 Adam's first step is about lr * sign(g), so comparing weights after it hides any rescaling of the loss.
 Here the engine's own update path (`accumulate_gradients`: micro-batches, their weights, FSDP2's
@@ -251,33 +252,32 @@ def test_layout_and_memory_options_give_the_same_gradient(ray_address: str, batc
         eng.stop()
 
 
-def test_bf16_mixed_precision_tracks_fp32_with_fp32_master_state(ray_address: str, batch: Batch,
-                                                                  model_dir: Path) -> None:
-    """Four updates on the same batch in fp32 and in bf16 mixed precision: the policy losses agree within
-    0.005 + 5 % (bf16 keeps 8 bits of mantissa), the parameters the optimizer holds and its state stay
-    fp32, and the weights moved the same way (cosine of the two updates > 0.9)."""
-    losses, moved = {}, {}
-    for precision in ("none", "bf16"):
-        base = spec(model_dir, 2)
-        actor = base.policy.actor.model_copy(update={"mixed_precision": precision, "lr": 3e-4})
-        eng = Engine.start(base.model_copy(update={"run_id": f"mp-{precision}", "critic": None,
-                                                   "policy": base.policy.model_copy(update={"actor": actor})}))
-        try:
-            before = eng.policy.call("full_weights")[0]
-            losses[precision] = [eng.update_actor(batch, iteration=i, expected_version=i - 1)["actor/pg_loss"]
-                                 for i in range(1, 5)]
-            after = eng.policy.call("full_weights")[0]
-            moved[precision] = torch.cat([(after[k] - before[k]).flatten() for k in sorted(before)])
-            dtypes = eng.policy.call("state_dtypes")
-            assert all(d == {"params": ["torch.float32"], "optimizer": ["torch.float32"]} for d in dtypes), dtypes
-        finally:
-            eng.stop()
-    print("pg_loss fp32:", [f"{v:.4f}" for v in losses["none"]], "bf16:", [f"{v:.4f}" for v in losses["bf16"]])
-    for fp32, bf16 in zip(losses["none"], losses["bf16"]):
-        assert abs(fp32 - bf16) <= 0.005 + 0.05 * abs(fp32)
-    assert losses["none"] != losses["bf16"]  # bf16 did compute in bf16
-    cosine = torch.nn.functional.cosine_similarity(moved["none"], moved["bf16"], dim=0)
-    assert float(cosine) > 0.9, float(cosine)
+def test_bf16_mixed_precision_computes_in_bf16_and_reduces_in_fp32(ray_address: str, batch: Batch,
+                                                                   model_dir: Path) -> None:
+    """bf16 mixed precision on 2 ranks, compared where the claim lives, the gradient:
+    - computed in bf16: it differs from the fp32 plain path's by more than float32 noise (1e-4) and less
+      than bf16's 8-bit mantissa allows over a few layers (5e-2);
+    - reduced in fp32 (MixedPrecisionPolicy.reduce_dtype): the mean of the two ranks' bf16 gradients, added
+      in fp32, mostly falls off the bf16 grid; reduced in bf16 every element would lie on it;
+    - the parameters the optimizer holds and its state stay fp32."""
+    base = spec(model_dir, 2)
+    actor = base.policy.actor.model_copy(update={"mixed_precision": "bf16"})
+    eng = Engine.start(base.model_copy(update={"run_id": "mp-bf16", "critic": None,
+                                               "policy": base.policy.model_copy(update={"actor": actor})}))
+    try:
+        got = eng.policy.call("gradients", batch, mode="dp", micro_batch_size=ROWS, loss_agg_mode="token-mean")[0]
+        eng.update_actor(batch, iteration=1, expected_version=0)
+        dtypes = eng.policy.call("state_dtypes")
+    finally:
+        eng.stop()
+    err = relative_error(got, plain_actor_gradients(model_dir, batch, "token-mean"))
+    flat = torch.cat([g.float().flatten() for g in got.values()])
+    flat = flat[flat != 0]
+    off_grid = float((flat.to(torch.bfloat16).float() != flat).float().mean())
+    print(f"bf16: gradient relative error {err:.2e}, {off_grid:.1%} of the elements off the bf16 grid")
+    assert 1e-4 < err <= 5e-2
+    assert off_grid > 0.2
+    assert all(d == {"params": ["torch.float32"], "optimizer": ["torch.float32"]} for d in dtypes), dtypes
 
 
 def test_generating_from_the_actor_equals_generating_from_a_copy(ray_address: str, model_dir: Path) -> None:
