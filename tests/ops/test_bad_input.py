@@ -6,6 +6,10 @@ Every check here happens before the stack starts: the CLI runs against a stack f
 come into being (`RLFLOW_HOME` under tmp_path), so a check that slipped behind the stack start fails the
 test instead of starting a Prefect server and a Ray head. Only the credentials test needs a service,
 the session's S3 server.
+
+The commands run in one long-lived CLI process for the module (tests/services.WarmCli: the same
+`flows.cli.main`, its exit code and output), each with its own `RLFLOW_HOME` and cache: what is checked
+is the command's answer and what it wrote, not its process, and 34 process starts of ~5 s each are saved.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.services import REPO, Cli
+from tests.services import REPO, WarmCli
 
 pytestmark = pytest.mark.integration
 GOOD_ROWS = 32  # data.train_batch_size of the default config: the smallest training set a run accepts
@@ -53,13 +57,12 @@ def good_rows() -> list[dict[str, Any]]:
 class Offline:
     """`rlflow train` with a stack folder that must stay absent and no AWS settings from outside."""
 
-    def __init__(self, tmp: Path, model: Path) -> None:
+    def __init__(self, tmp: Path, model: Path, cli: WarmCli) -> None:
         self.home = tmp / "stack-never-started"
         self.model = model
         self.root = tmp / "runs"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-        env.update(RLFLOW_HOME=str(self.home), RLFLOW_CACHE=str(tmp / "cache"), PYTHONPATH=str(REPO))
-        self.cli = Cli(env)
+        self.env = {"RLFLOW_HOME": str(self.home), "RLFLOW_CACHE": str(tmp / "cache")}
+        self.cli = cli
 
     def train(self, *args: str, config: str | None = None, resume: str | None = None,
               env: dict[str, str] | None = None) -> tuple[str, float]:
@@ -70,7 +73,7 @@ class Offline:
             base += [f"model.path={self.model}", "trainer.run_id=bad"]
         cmd = ["train", *([config] if config else []), *base, *args, *(["--resume", resume] if resume else [])]
         start = time.monotonic()
-        proc = self.cli(*cmd, env=env, timeout=300)
+        proc = self.cli(*cmd, env={**self.env, **(env or {})}, timeout=300)
         seconds = time.monotonic() - start
         errors = [line for line in proc.stderr.splitlines() if line.startswith("rlflow: error:")]
         assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -82,9 +85,23 @@ class Offline:
         return errors[0], seconds
 
 
+@pytest.fixture(scope="module")
+def offline_cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WarmCli]:
+    """The module's CLI process: no AWS settings from outside, a stack folder and cache of its own (each
+    command names its test's own)."""
+    folder = tmp_path_factory.mktemp("offline-cli")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(RLFLOW_HOME=str(folder / "stack-never-started"), RLFLOW_CACHE=str(folder / "cache"),
+               PYTHONPATH=str(REPO))
+    warm = WarmCli(env, folder)
+    yield warm
+    warm.close()
+    assert not (folder / "stack-never-started").exists()
+
+
 @pytest.fixture
-def offline(tmp_path: Path, tiny_model_dir: Path) -> Iterator[Offline]:
-    runner = Offline(tmp_path, tiny_model_dir)
+def offline(tmp_path: Path, tiny_model_dir: Path, offline_cli: WarmCli) -> Iterator[Offline]:
+    runner = Offline(tmp_path, tiny_model_dir, offline_cli)
     try:
         yield runner
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from tests.ops.conftest import (
     trigger,
     wait_for,
 )
-from tests.services import Cli
+from tests.services import Cli, WarmCli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 LINEAGE = "nightly"
@@ -43,10 +44,13 @@ def deployment_runs(client: Any, name: str) -> list[Any]:
     return sorted(runs, key=lambda r: r.expected_start_time)
 
 
-def test_deploy_refuses_bad_input(cli: Cli, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_deploy_refuses_bad_input(warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path) -> None:
     """Checked before anything starts (no stack in this RLFLOW_HOME) and before a deployment exists."""
     home = tmp_path / "home"
-    nothing = Cli({**cli.env, "RLFLOW_HOME": str(home)})
+
+    def nothing(*args: str) -> subprocess.CompletedProcess[str]:
+        return warm_cli(*args, env={"RLFLOW_HOME": str(home)})
+
     base = run_args(tiny_model_dir, tmp_path, "trainer.iterations_per_run=1")
     secret = "s3cr3t-never-in-parameters"
     cases = {

@@ -121,8 +121,11 @@ def test_a_broken_tool_gives_error_observations(warm_cli: WarmCli, calc_model_di
     assert "error: calculator failed: RuntimeError: the tool broke" in [t["content"] for t in turns]
 
 
-# -- rollout.name=vllm: the same tool-use model, vLLM engines in the 2 policy ranks -------------------------
-VLLM = ("rollout.name=vllm", "rollout.vllm.kv_cache_gib=0.25")
+# -- rollout.name=vllm: the same tool-use model, a vLLM engine in the policy rank ---------------------------
+# One rank: what these runs claim (tools, dynamic sampling, validation, Retry and resume on vLLM) does not
+# depend on the number of ranks, and each rank starts an engine of its own; vLLM engines in 2 sharded ranks,
+# and the weight sync into each, are tests/engine/test_vllm_engine.py's.
+VLLM = ("rollout.name=vllm", "rollout.vllm.kv_cache_gib=0.25", "trainer.world_size=1")
 
 
 def vllm_args(model: Path, root: Path, run_id: str, *extra: str) -> list[str]:
