@@ -24,7 +24,10 @@ from datetime import timedelta
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 30  # Prefect's minimum (MINIMUM_HEARTBEAT_INTERVAL)
-WINDOW_S = 90  # three heartbeats missed
+# Six heartbeats missed. Three (90 s) was too few: on a loaded machine (two cores, two test workers, a
+# retried run starting its Ray job) live runs were set Crashed twice with their process still running;
+# a false "Crashed" on a live run is worse than a dead one noticed 90 s later.
+WINDOW_S = 180
 AUTOMATION = "rlflow: crash flow runs whose heartbeat stopped"
 FLOWS = ["rlflow-train", "rlflow-scheduled"]
 
@@ -36,7 +39,8 @@ def enable_heartbeats() -> None:
 
 
 def ensure_crash_automation() -> None:
-    """Create the zombie-run automation on the Prefect server unless one of its name exists."""
+    """Create the zombie-run automation on the Prefect server, or update one of its name that an earlier
+    version made with another window."""
     from prefect import get_client
     from prefect.client.schemas.objects import StateType
     from prefect.events.actions import ChangeFlowRunState
@@ -45,9 +49,12 @@ def ensure_crash_automation() -> None:
 
     try:
         with get_client(sync_client=True) as client:
-            if client.read_automations_by_name(AUTOMATION):
+            existing = client.read_automations_by_name(AUTOMATION)
+            if existing and all(
+                getattr(a.trigger, "within", None) == timedelta(seconds=WINDOW_S) for a in existing
+            ):
                 return
-            client.create_automation(AutomationCore(
+            automation = AutomationCore(
                 name=AUTOMATION,
                 description=f"A flow run that sent a heartbeat and then, for {WINDOW_S} s, neither another nor a "
                             "final state: its process died. Created by rlflow.",
@@ -65,6 +72,11 @@ def ensure_crash_automation() -> None:
                 ),
                 actions=[ChangeFlowRunState(state=StateType.CRASHED, name="Crashed",
                                             message=f"no heartbeat for {WINDOW_S} s: its process died")],
-            ))  # fmt: skip
+            )  # fmt: skip
+            if existing:
+                for old in existing:
+                    client.update_automation(old.id, automation)
+            else:
+                client.create_automation(automation)
     except Exception as err:  # the UI's states are a nicety: a run must not fail on it
         logger.warning("could not create the Prefect automation %r: %s", AUTOMATION, err)
