@@ -87,7 +87,7 @@ def assert_reused(root: Path, run_id: str, iteration: int) -> None:
 @pytest.fixture(scope="module", autouse=True)
 def zombie(cli: Cli, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> float:
     """A run whose flow process is SIGKILLed and that nothing resumes, started before the module's other
-    tests so that its heartbeat window (flows/liveness.WINDOW_S, 90 s) passes while they run; its engine
+    tests so that its heartbeat window (flows/liveness.WINDOW_S, 180 s) passes while they run; its engine
     is stopped at once (it would hold the cluster's CPUs; the flow run's state is the claim). Returns when
     the process died (time.monotonic)."""
     proc = cli("train", *args(tiny_model_dir, str(tmp_path_factory.mktemp("zombie")), "zombie",
@@ -140,52 +140,45 @@ def test_hung_rank_mid_update_is_restarted(warm_cli: WarmCli, tiny_model_dir: Pa
     print(f"hung rank: {time.monotonic() - start:.0f} s")
 
 
-def test_flow_process_killed_mid_iteration_then_resumed(cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path,
-                                                         tmp_path: Path, reference: dict, prefect: Any) -> None:
-    """...and the killed process's flow run and its iteration subflow, left "Running" in the UI, are
-    marked Crashed by the resumed run, naming it."""
+def test_flow_process_killed_then_resumed_from_storage_past_a_corrupted_shard(
+        cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path, reference: dict, prefect: Any) -> None:
+    """The flow process is killed after iteration 3's rollouts, its engine stopped and a shard of the last
+    committed checkpoint (step 2) corrupted: another process resumes from storage alone, warns naming the
+    bad file, restores step 1 and replays iteration 2's updates from its buffers, and ends like the
+    uninterrupted run with every complete buffer kept (none rewritten). The killed process's flow run and
+    its iteration subflow, left "Running" in the UI, are marked Crashed by the resumed run, naming it.
+    (One run since this round, two before: a killed flow resumed on its still-live engine is
+    tests/pipeline/test_reward_model.py's rm-kill, attached to the live engine.)"""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
     from tests.ops.conftest import subflow_runs
 
     start = time.monotonic()
-    first = cli("train", *args(tiny_model_dir, str(tmp_path), "flow-kill", "debug.kill_flow_after=generate_rollouts",
-                               "debug.kill_iteration=2"))
-    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
-    before = buffers(tmp_path, "flow-kill")
-    resumed = warm_cli("train", "--resume", "flow-kill", f"storage.root={tmp_path}", REWARD)  # not the killed process
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    after = buffers(tmp_path, "flow-kill")
-    assert all(after[k] == v for k, v in before.items())  # every complete buffer kept, none rewritten
-    assert_like_uninterrupted(tmp_path, "flow-kill", reference)
-    killed, resumed_run = sorted(prefect.read_flow_runs(flow_run_filter=FlowRunFilter(
-        name=FlowRunFilterName(any_=["flow-kill"]))), key=lambda r: r.created)
-    assert resumed_run.state.is_completed()
-    for run in (killed, *subflow_runs(prefect, killed.id)):
-        assert run.state.is_final(), (run.name, run.state)
-    assert killed.state.name == "Crashed" and f"resumed by flow run flow-kill ({resumed_run.id})" in killed.state.message
-    assert subflow_runs(prefect, killed.id)[-1].state.name == "Crashed"  # iteration 2, killed mid-way
-    print(f"flow kill + resume: {time.monotonic() - start:.0f} s")
-
-
-def test_corrupted_committed_shard_falls_back(cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path,
-                                              reference: dict) -> None:
-    start = time.monotonic()
     first = cli("train", *args(tiny_model_dir, str(tmp_path), "corrupt", "debug.kill_flow_after=generate_rollouts",
                                "debug.kill_iteration=3"))
-    assert first.returncode == -signal.SIGKILL
+    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
     assert cli("engine", "stop", "corrupt").returncode == 0  # so the resume has to restore from storage
+    before = buffers(tmp_path, "corrupt")
     shard = sorted((tmp_path / "corrupt" / "checkpoints" / "step_000002" / "policy").glob("*.distcp"))[0]
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    resumed = warm_cli("train", "--resume", "corrupt", f"storage.root={tmp_path}", REWARD)
+    resumed = warm_cli("train", "--resume", "corrupt", f"storage.root={tmp_path}", REWARD)  # not the killed process
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     logs = resumed.stdout + resumed.stderr
     assert shard.name in logs  # the warning names the bad file
     assert "restored checkpoint step 1" in logs and "replaying the updates of iteration 2" in logs
+    after = buffers(tmp_path, "corrupt")
+    assert all(after[k] == v for k, v in before.items())  # every complete buffer kept, none rewritten
     assert_like_uninterrupted(tmp_path, "corrupt", reference)
-    print(f"corrupted shard: {time.monotonic() - start:.0f} s")
+    killed, resumed_run = sorted(prefect.read_flow_runs(flow_run_filter=FlowRunFilter(
+        name=FlowRunFilterName(any_=["corrupt"]))), key=lambda r: r.created)
+    assert resumed_run.state.is_completed()
+    for run in (killed, *subflow_runs(prefect, killed.id)):
+        assert run.state.is_final(), (run.name, run.state)
+    assert killed.state.name == "Crashed" and f"resumed by flow run corrupt ({resumed_run.id})" in killed.state.message
+    assert subflow_runs(prefect, killed.id)[-1].state.name == "Crashed"  # iteration 3, killed mid-way
+    print(f"flow kill + corrupted shard + resume: {time.monotonic() - start:.0f} s")
 
 
 def test_s3_down_for_10s_then_prefect_server_restarted_mid_run(cli: Cli, tiny_model_dir: Path, s3_server,
@@ -288,7 +281,8 @@ def test_lora_rank_killed_then_flow_killed_and_resumed_on_a_new_engine(cli: Cli,
     print(f"LoRA checkpoint: {sum(f['size'] for f in manifest['files'])} bytes")
 
 
-def test_a_killed_controller_is_marked_crashed_by_its_missing_heartbeat(zombie: float, prefect: Any) -> None:
+def test_a_killed_controller_is_marked_crashed_by_its_missing_heartbeat(zombie: float, prefect: Any, api_url: str,
+                                                                       stack_home: Path) -> None:
     """The flow process is SIGKILLed and nothing resumes it (the `zombie` fixture, started first): Prefect's
     automation (flows/liveness.py) sets its flow run Crashed once its heartbeat has been missing for WINDOW_S."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
@@ -303,3 +297,22 @@ def test_a_killed_controller_is_marked_crashed_by_its_missing_heartbeat(zombie: 
             break
         time.sleep(2)
     assert run.state.name == "Crashed" and f"no heartbeat for {WINDOW_S} s" in run.state.message, run.state
+    # The automation an earlier version made (a 90 s window) is brought to WINDOW_S by the next run's start.
+    from datetime import timedelta
+
+    from prefect.events.schemas.automations import AutomationCore
+    from prefect.settings import temporary_settings
+
+    from flows.liveness import ensure_crash_automation
+    from tests.ops.conftest import api_settings
+
+    [automation] = prefect.read_automations_by_name(AUTOMATION)
+    assert automation.trigger.within == timedelta(seconds=WINDOW_S)
+    older = automation.model_dump(exclude={"id"})
+    older["trigger"]["within"] = timedelta(seconds=90)
+    prefect.update_automation(automation.id, AutomationCore.model_validate(older))
+    assert prefect.read_automations_by_name(AUTOMATION)[0].trigger.within == timedelta(seconds=90)
+    with temporary_settings(updates=api_settings(api_url, stack_home)):
+        ensure_crash_automation()
+    [updated] = prefect.read_automations_by_name(AUTOMATION)
+    assert updated.id == automation.id and updated.trigger.within == timedelta(seconds=WINDOW_S)
