@@ -23,8 +23,10 @@ NEVER = "0 3 1 1 *"  # a cron schedule that does not come due during a test: its
 
 
 def run_args(model: Path, root: Path, *extra: str) -> list[str]:
-    """A small run of the tiny model (as tests/pipeline/test_train.py)."""
-    return [f"model.path={model}", f"storage.root={root}", REWARD, "trainer.total_iterations=2",
+    """A small run of the tiny model (as tests/pipeline/test_train.py) on one rank: what uses it (deploy,
+    serve, the worker, the UI's Retry) is about the flow runs, not the sharding, which the fault and
+    engine tests cover on two ranks."""
+    return [f"model.path={model}", f"storage.root={root}", REWARD, "trainer.total_iterations=2", "trainer.world_size=1",
             "data.train_batch_size=8", "actor.mini_batch_size=32", "actor.micro_batch_size=32", "trainer.save_every=1", "trainer.val_every=0", "data.train_size=256", "data.val_size=16",
             "rollout.max_new_tokens=8", *extra]
 
