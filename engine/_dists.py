@@ -2,7 +2,7 @@
 
 transformers calls it when imported (transformers/utils/import_utils.py), and it reads the RECORD of
 every installed distribution: in the test line's venv (vLLM's dependencies included, ~300 top-level
-names from ~30,000 files) 0.5-0.8 s of CPU in every process that imports transformers, which is every
+names from ~30,000 files) about 0.85 CPU s in every process that imports transformers, which is every
 stage worker, rank and CLI process. The result depends only on what is installed, so it is kept in the
 environment's own folder (`sys.prefix`, a venv's), under a key made of the names of the `*.dist-info` /
 `*.egg-info` folders on `sys.path` (they carry each distribution's version) and the Python version; the
@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 FILE = "rlflow-packages-distributions.json"
+KEEP = 16  # keys kept: processes whose sys.path differs (Ray workers add their own entries) each have one
 _original: Callable[[], Mapping[str, list[str]]] = importlib.metadata.packages_distributions
 
 
@@ -37,9 +38,6 @@ def _key() -> str:
         names.append(entry)
         names.extend(sorted(n for n in listed if n.endswith((".dist-info", ".egg-info"))))
     return hashlib.sha256("\n".join(names).encode()).hexdigest()
-
-
-KEEP = 16  # keys kept: processes whose sys.path differs (Ray workers add their own entries) each have one
 
 
 def _valid(entry: Any) -> bool:
