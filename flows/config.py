@@ -215,7 +215,68 @@ class RLConfig(BaseModel):
             raise _cross("critic.enable", True, f"trains a critic whose values nothing reads: "
                          f"algorithm.adv_estimator={spec.name} does not use values (gae does)")
         self._check_unread_settings(spec)
+        self._check_inert_sections()
         return self
+
+    def _check_inert_sections(self) -> None:
+        """A section, or a setting, that this config never runs is refused (its value would change nothing):
+        the critic without critic.enable, LoRA settings without lora.rank, CPU offload on the CPU, the
+        reference's batching without a reference, loggers' settings without a logger, data settings of
+        the other data source, and faults' settings without their fault."""
+        critic = self.critic
+        if not critic.enable:
+            for key in type(critic).model_fields:
+                if key not in ("enable", "lora") and _differs_from_default(critic, key):
+                    raise _cross(f"critic.{key}", getattr(critic, key), "is a setting of the critic: it needs "
+                                 "critic.enable=true")
+            for key in type(critic.lora).model_fields:
+                if _differs_from_default(critic.lora, key):
+                    raise _cross(f"critic.lora.{key}", getattr(critic.lora, key), "is a setting of the critic: it "
+                                 "needs critic.enable=true")
+        roles = ("actor", "critic") if critic.enable else ("actor",)
+        for role in roles:
+            lora = getattr(self, role).lora
+            if not lora.enabled:
+                for key in ("alpha", "dropout", "target_modules", "modules_to_save"):
+                    if _differs_from_default(lora, key):
+                        raise _cross(f"{role}.lora.{key}", getattr(lora, key), f"is a setting of LoRA adapters: it "
+                                     f"needs {role}.lora.rank > 0")
+            if self.trainer.device == "cpu" and getattr(self, role).cpu_offload:
+                raise _cross(f"{role}.cpu_offload", True, "moves sharded parameters, gradients and optimizer state "
+                             "to host memory, where a CPU run (trainer.device=cpu) holds them already")
+        if not self.needs_ref:
+            for key in type(self.ref).model_fields:
+                if _differs_from_default(self.ref, key):
+                    raise _cross(f"ref.{key}", getattr(self.ref, key), "batches the reference policy's forward: "
+                                 "it needs a KL term (actor.use_kl_loss or algorithm.use_kl_in_reward)")
+        if self.trainer.log_dir is not None and not self.trainer.loggers:
+            raise _cross("trainer.log_dir", self.trainer.log_dir, "is the folder of the loggers' files: it needs "
+                         "trainer.loggers (tensorboard, wandb, mlflow)")
+        data = self.data
+        if not data.train_files and _differs_from_default(data, "prompt_key"):
+            raise _cross("data.prompt_key", data.prompt_key, "names the prompt column of data.train_files; the "
+                         "synthetic data.task has 'prompt'")
+        if data.train_files and _differs_from_default(data, "train_size"):
+            raise _cross("data.train_size", data.train_size, "sizes the synthetic data.task; data.train_files "
+                         "are read instead")
+        storage = self.storage
+        s3 = storage.root.startswith(("s3://", "s3a://"))
+        for key in ("shared_fs",) if s3 else ("endpoint_url", "region", "access_key_id", "secret_access_key",
+                                              "connect_timeout_s", "read_timeout_s"):
+            if _differs_from_default(storage, key):
+                raise _cross(f"storage.{key}", getattr(storage, key), "is a setting of a local storage.root (a folder every node "
+                             "mounts)" if s3 else f"is a setting of S3 storage; storage.root={storage.root!r} is "
+                             "a local folder")
+        debug = self.debug
+        if debug.fail_stage is None:
+            for key in ("fail_times", "fail_iteration"):
+                if _differs_from_default(debug, key):
+                    raise _cross(f"debug.{key}", getattr(debug, key), "qualifies debug.fail_stage, which is not set")
+        kills = (debug.kill_flow_after, debug.kill_rank_mid_update, debug.stop_rank_mid_update)
+        if (all(k is None for k in kills) and not debug.kill_during_checkpoint
+                and _differs_from_default(debug, "kill_iteration")):
+            raise _cross("debug.kill_iteration", debug.kill_iteration, "is the iteration of the debug.kill_* "
+                         "faults, and none is set")
 
     def _check_unread_settings(self, spec: Any) -> None:
         """A setting that the chosen estimator, KL or loss never reads is refused (its value would change
@@ -515,7 +576,8 @@ def _config_error(err: ValidationError, raw: dict[str, Any]) -> ConfigError:
     ctx = first.get("ctx") or {}
     cross = ctx.get("error")
     if isinstance(cross, _CrossSectionError):
-        return ConfigError(f"{cross.key}={cross.value!r} is not allowed: {cross.allowed}")
+        shown = "<hidden>" if _is_secret(cross.key.split(".")) else repr(cross.value)
+        return ConfigError(f"{cross.key}={shown} is not allowed: {cross.allowed}")
     loc = _field_path(first["loc"])
     key = ".".join(loc) if loc else "config"
     shown = "<hidden>" if _is_secret(loc) else repr(_lookup(raw, loc))  # a secret is never echoed, whatever its type

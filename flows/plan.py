@@ -90,6 +90,8 @@ def resume_config(store: ObjectStore, run_id: str, cfg: RLConfig | None, overrid
     saved = runs.read_run_info()["config"]
     given = {_parse_override(item)[0] for item in overrides}
     users = (cfg or load_config(None, [])).model_dump(mode="json")  # what the user gives where no override
+    # Before the stored config is validated: a tampered value is refused as such, whatever else it breaks.
+    _check_code_settings(run_id, saved, users, [key for key in CODE_SETTINGS if key not in given])
     if cfg is None:
         raw = json.loads(json.dumps(saved))  # a deep copy: the overrides must not edit `saved` itself
         for item in overrides:
@@ -97,13 +99,7 @@ def resume_config(store: ObjectStore, run_id: str, cfg: RLConfig | None, overrid
             _set_dotted(raw, key, value)
         cfg = build_config(raw)
     ours = cfg.model_dump(mode="json")
-    for key in CODE_SETTINGS:
-        mine = _dotted(ours if key in given else users, key)
-        stored = _dotted(saved, key)
-        if stored != mine:
-            raise ConfigError(f"--resume {run_id}: run.json has {key}={stored!r} where your config and command line "
-                              f"give {mine!r}; what a run executes is never taken from storage: give {key} "
-                              "yourself to resume with it")
+    _check_code_settings(run_id, saved, ours, [key for key in CODE_SETTINGS if key in given])
     changed = [k for k in ("path", "tokenizer_path", "dtype", "tiny_seed") if saved["model"].get(k) !=
                cfg.model.model_dump(mode="json").get(k)]
     if changed:
@@ -111,6 +107,16 @@ def resume_config(store: ObjectStore, run_id: str, cfg: RLConfig | None, overrid
         raise ConfigError(f"--resume {run_id}: the config changes {key} from {saved['model'].get(changed[0])!r} "
                           f"to {getattr(cfg.model, changed[0])!r}; a run keeps its model (start a new run)")
     return cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"run_id": run_id})})
+
+
+def _check_code_settings(run_id: str, saved: dict[str, Any], mine: dict[str, Any], keys: list[str]) -> None:
+    """ConfigError when run.json gives one of `keys` (CODE_SETTINGS) otherwise than the user (`mine`)."""
+    for key in keys:
+        stored, given = _dotted(saved, key), _dotted(mine, key)
+        if stored != given:
+            raise ConfigError(f"--resume {run_id}: run.json has {key}={stored!r} where your config and command line "
+                              f"give {given!r}; what a run executes is never taken from storage: give {key} "
+                              "yourself to resume with it")
 
 
 def _dotted(tree: Any, key: str) -> Any:

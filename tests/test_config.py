@@ -110,7 +110,8 @@ def test_missing_config_file() -> None:
 
 
 def test_credentials_stay_out_of_the_public_dict_and_hash() -> None:
-    cfg = load_config(None, ["storage.access_key_id=AKIAEXAMPLE", "storage.secret_access_key=hunter2"])
+    cfg = load_config(None, ["storage.root=s3://bucket/runs", "storage.access_key_id=AKIAEXAMPLE",
+                             "storage.secret_access_key=hunter2"])
     public = yaml.safe_dump(cfg.public_dict())
     assert "hunter2" not in public and "AKIAEXAMPLE" not in public
     assert "hunter2" not in repr(cfg)

@@ -16,7 +16,8 @@ from infra.store import ObjectStore
 
 
 def test_run_json_holds_the_public_config_only(store: ObjectStore) -> None:
-    cfg = load_config(None, ["storage.access_key_id=AKIAEXAMPLE", "storage.secret_access_key=hunter2"])
+    cfg = load_config(None, ["storage.root=s3://bucket/runs", "storage.access_key_id=AKIAEXAMPLE",
+                             "storage.secret_access_key=hunter2"])
     run = RunStore(store, "run1")
     run.write_run_info(cfg.public_dict(), code_version="abc123", parent={"run_id": "run0", "checkpoint": 20})
     raw = store.get_bytes("run1/run.json")
