@@ -249,6 +249,32 @@ class RLConfig(BaseModel):
                 if _differs_from_default(self.ref, key):
                     raise _cross(f"ref.{key}", getattr(self.ref, key), "batches the reference policy's forward: "
                                  "it needs a KL term (actor.use_kl_loss or algorithm.use_kl_in_reward)")
+        for role in roles:
+            optim = getattr(self, role)
+            if optim.lr_schedule == "constant" and _differs_from_default(optim, "min_lr_ratio"):
+                raise _cross(f"{role}.min_lr_ratio", optim.min_lr_ratio, f"is the floor of a decaying rate: "
+                             f"{role}.lr_schedule=constant does not decay (cosine or linear do)")
+        for role in roles:
+            optim = getattr(self, role)
+            if self.trainer.world_size == 1:
+                for key in ("reshard_after_forward", "grad_sync"):
+                    if _differs_from_default(optim, key):
+                        raise _cross(f"{role}.{key}", getattr(optim, key), "sets how FSDP2 gathers and reduces across "
+                                     "ranks; trainer.world_size=1 holds the whole model on one rank")
+        actor = self.actor
+        completions = self.data.train_batch_size * self.rollout.n
+        if actor.old_log_prob == "recompute" and not actor.model_copy(update={"old_log_prob": "auto"}).reuses_update_logp(
+                completions, self.algorithm.use_kl_in_reward):
+            raise _cross("actor.old_log_prob", "recompute", "is what auto does in this config (more than one optimizer "
+                         "step per iteration, or the KL in the reward): the old log-prob pass runs either way")
+        if self.ray.address is not None and _differs_from_default(self.ray, "max_concurrent_stages"):
+            raise _cross("ray.max_concurrent_stages", self.ray.max_concurrent_stages, "sizes the stage slots of the "
+                         "local stack's Ray head; ray.address is an external cluster (its own resources)")
+        trainer = self.trainer
+        if (trainer.run_id is not None and _differs_from_default(trainer, "project")
+                and not {"wandb", "mlflow"} & set(trainer.loggers)):
+            raise _cross("trainer.project", trainer.project, "names the default run id (trainer.run_id is set) "
+                         "and the W&B project or MLflow experiment (trainer.loggers has neither)")
         if self.trainer.log_dir is not None and not self.trainer.loggers:
             raise _cross("trainer.log_dir", self.trainer.log_dir, "is the folder of the loggers' files: it needs "
                          "trainer.loggers (tensorboard, wandb, mlflow)")

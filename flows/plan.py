@@ -171,6 +171,8 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
     kernels = kernel_env(cfg.placement.cpu_kernels)  # the ranks' kernels (flows.train.worker_env)
     model_path = resolve_model_path(cfg.model, cfg.data.task, kernels)
     tokenizer_path = resolve_tokenizer_path(cfg.model, cfg.data.task, kernels)
+    if cfg.model.trust_remote_code:
+        check_has_code("model.trust_remote_code", model_path, tokenizer_path)
     tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=cfg.model.trust_remote_code)
     tools = describe(load_tools(cfg.rollout.multi_turn.tools)) if cfg.rollout.multi_turn.enable else None
     train, val = load_train_val(cfg.data, length_fn=lambda p: prompt_lengths(tokenizer, [p], tools)[0],
@@ -201,8 +203,29 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
     if cfg.reward.model.path is not None:
         from engine.reward_model import check_reward_model
 
-        check_reward_model(resolve_reward_model_path(cfg.reward.model.path), cfg.reward.model.trust_remote_code)
+        rm_path = resolve_reward_model_path(cfg.reward.model.path)
+        if cfg.reward.model.trust_remote_code:
+            check_has_code("reward.model.trust_remote_code", rm_path)
+        check_reward_model(rm_path, cfg.reward.model.trust_remote_code)
     return CheckedInputs(store, runs, model_path, tokenizer_path, train, val, engine, identity)
+
+
+def check_has_code(setting: str, *folders: str) -> None:
+    """ConfigError when `setting` (trust_remote_code=true) would trust local folders that hold no code of their
+    own (no auto_map in config.json or tokenizer_config.json): it would change nothing. A hub id is not
+    checked (its files are not here before the download)."""
+    local = [Path(f) for f in folders if Path(f).is_dir()]
+    if len(local) < len(folders):
+        return
+    for folder in local:
+        for name in ("config.json", "tokenizer_config.json"):
+            try:
+                if "auto_map" in json.loads((folder / name).read_text()):
+                    return
+            except (OSError, ValueError):
+                continue
+    raise ConfigError(f"{setting}=True is not allowed: {', '.join(sorted(set(folders)))} has no code of its own (no "
+                      "auto_map in config.json or tokenizer_config.json), so there is nothing to trust")
 
 
 def check_same_base(runs: RunStore, run_id: str, identity: dict[str, Any]) -> None:

@@ -542,6 +542,12 @@ def ensure_stack(config: StackConfig | None = None, ray: RayConfig | None = None
     wanted = tuple(name for name in SERVICES if not external[name])
     slots = ray.max_concurrent_stages if ray else None
     status = LocalStack(config, stage_slots=slots).up(wanted) if wanted else None
+    record = status.ray.record if status is not None and status.ray is not None else None
+    default = RayConfig.model_fields["max_concurrent_stages"].default
+    if ray is not None and record is not None and slots != default and record.stage_slots != slots:
+        raise InfraError(f"ray.max_concurrent_stages={slots} is not allowed: the local stack's Ray head is running "
+                         f"with {record.stage_slots} stage slots, and a running head keeps them (`rlflow down` "
+                         "first to change them)")
     prefect = None if config.prefect_api_url else _record(status, "prefect")
     api_url = config.prefect_api_url or prefect_api_url(_record(status, "prefect").port)
     if ray_address:

@@ -439,3 +439,14 @@ def test_code_references_are_checked_at_load_without_importing(tmp_path: Path) -
     with pytest.raises(ConfigError, match=re.escape("defines no 'nope'")):
         load_config(None, ["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=engine.builtin_tools:nope"])
     assert not (tmp_path / "imported").exists()
+
+
+def test_local_storage_on_two_nodes() -> None:
+    """storage.shared_fs: a local storage.root on a cluster of two nodes is refused before anything is
+    written, unless every node mounts that folder."""
+    from flows.train import check_storage_reaches_nodes
+
+    nodes = [{"Alive": True}, {"Alive": True}]
+    with pytest.raises(ConfigError, match="set storage.shared_fs=true if every node mounts that folder"):
+        check_storage_reaches_nodes(load_config(None, ["storage.root=/data/runs"]).storage, nodes)
+    check_storage_reaches_nodes(load_config(None, ["storage.root=/data/runs", "storage.shared_fs=true"]).storage, nodes)

@@ -152,3 +152,11 @@ def test_infra_s3_without_moto_says_which_extra_to_install() -> None:
     assert proc.stderr.strip().splitlines() == [
         "rlflow: error: rlflow infra s3 runs moto's S3 server, which the main install leaves out: "
         "pip install -c constraints-cpu.txt -e '.[s3]'"], proc.stderr
+
+
+def test_unreachable_ray_address() -> None:
+    """ray.address: an external cluster, probed where `rlflow train` would connect (no local head then)."""
+    address = f"127.0.0.1:{_closed_port()}"
+    rows = _rows(run_checks(None, [f"ray.address={address}"]))
+    assert rows["ray head"].status == "failed" and f"ray.address={address} does not answer" in rows["ray head"].detail
+    assert _rows(run_checks(None, []))["ray head"].status == "not running"  # the default: the local head

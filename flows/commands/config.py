@@ -72,7 +72,10 @@ GENERAL = """Every model the engine loads (actor, the rollout copy where rollout
 dropout probability set to 0: the config's `*dropout*` / `*pdrop` rates and every dropout module, the
 value head's `classifier_dropout` included (transformers defaults it to 0.1). RL needs the update's
 log-probs to be the ones the ratio was computed against, and the critic's values to be repeatable, as verl
-does. A setting that is not built yet is refused when the config is read, in one line."""
+does. A setting that is not built yet is refused when the config is read, in one line, and so is a setting
+that would change nothing in the config it is given (the critic's without critic.enable, LoRA's without
+lora.rank, S3's with a local storage.root, ...): tests/pipeline/test_every_field.py holds every field below
+to changing what a run computes, or to being refused."""
 
 
 def _docs(args: argparse.Namespace) -> int:

@@ -321,3 +321,22 @@ def test_config_credentials_are_used(s3_env, monkeypatch) -> None:
 def test_unsupported_root_is_refused() -> None:
     with pytest.raises(InfraError, match="only local folders and s3://"):
         ObjectStore("gcs://bucket/x")
+
+
+def test_max_concurrency_from_the_config(tmp_path) -> None:  # noqa: ANN001
+    """storage.max_concurrency: the threads that copy a checkpoint's or an export's files at once."""
+    def threads(limit: int) -> int:
+        store = ObjectStore.from_config(StorageConfig(root=str(tmp_path), max_concurrency=limit))
+        barrier, seen = threading.Barrier(2, timeout=0.5), set()
+
+        def work(_: int) -> None:
+            seen.add(threading.get_ident())
+            try:
+                barrier.wait()  # two at once only when two threads run
+            except threading.BrokenBarrierError:
+                pass
+
+        store.map_parallel(work, list(range(4)))
+        return len(seen)
+
+    assert threads(1) == 1 and threads(8) >= 2
