@@ -208,6 +208,16 @@ def list_engines(namespace: str = NAMESPACE) -> dict[str, dict[str, list[int]]]:
     return {run: {role: sorted(ranks) for role, ranks in roles.items()} for run, roles in sorted(found.items())}
 
 
+def engine_namespaces() -> dict[str, list[str]]:
+    """{run_id: [the Ray namespaces where it has live rank actors]}: every namespace (ray.namespace)."""
+    found: dict[str, set[str]] = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        parts = entry["name"].split("/")
+        if len(parts) == 3 and parts[2].isdigit():
+            found.setdefault(parts[0], set()).add(entry.get("namespace") or "")
+    return {run: sorted(spaces) for run, spaces in sorted(found.items())}
+
+
 def stop_engine(run_id: str, namespace: str = NAMESPACE) -> list[str]:
     """Kill every rank actor of `run_id` and its placement groups; returns the roles stopped."""
     roles = list_engines(namespace).get(run_id, {})

@@ -51,28 +51,29 @@ def _list(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from engine.workers.group import list_engines
+    from engine.workers.group import engine_namespaces, list_engines
 
     connect(args.address)
-    engines = list_engines()
-    if not engines:
+    spaces = engine_namespaces()
+    if not spaces:
         print("no live engines")
         return 0
-    table = Table("run id", "role", "ranks", "nodes (of the ranks, in order)")
-    for run_id, roles in engines.items():
-        for role, ranks in roles.items():
-            table.add_row(run_id, role, ", ".join(map(str, ranks)), _rank_nodes(run_id, role))
+    table = Table("run id", "role", "ranks", "nodes (of the ranks, in order)", "namespace (ray.namespace)")
+    for namespace in sorted({ns for found in spaces.values() for ns in found}):
+        for run_id, roles in list_engines(namespace).items():
+            for role, ranks in roles.items():
+                table.add_row(run_id, role, ", ".join(map(str, ranks)), _rank_nodes(run_id, role, namespace), namespace)
     Console().print(table)
     return 0
 
 
-def _rank_nodes(run_id: str, role: str) -> str:
+def _rank_nodes(run_id: str, role: str, namespace: str) -> str:
     """The Ray node (first 12 hex digits of its id) each rank runs on, or why it is not known."""
     from engine.errors import EngineError
     from engine.workers.group import WorkerGroup
 
     try:
-        pings = WorkerGroup.attach(run_id=run_id, role=role, config_hash=None).health()
+        pings = WorkerGroup.attach(run_id=run_id, role=role, config_hash=None, namespace=namespace).health()
     except EngineError as err:
         return f"not reachable: {err}"
     return ", ".join(p.get("node_id", "?")[:12] for p in pings)  # "?": a rank of an older rlflow
@@ -80,20 +81,20 @@ def _rank_nodes(run_id: str, role: str) -> str:
 
 def _stop(args: argparse.Namespace) -> int:
     from engine.errors import EngineError
-    from engine.workers.group import check_run_id, list_engines, stop_engine
+    from engine.workers.group import check_run_id, engine_namespaces, stop_engine
 
     if bool(args.run_id) == args.all:
         raise EngineError("rlflow engine stop: give a run id or --all (not both)")
     connect(args.address)
+    spaces = engine_namespaces()  # every namespace: a run's ray.namespace is not known here
     if args.all:
-        runs = sorted(list_engines())
-        for run_id in runs:
-            print(f"stopped {run_id}: {', '.join(stop_engine(run_id))}")
-        if not runs:
+        for run_id, namespaces in spaces.items():
+            roles = sorted({role for ns in namespaces for role in stop_engine(run_id, ns)})
+            print(f"stopped {run_id}: {', '.join(roles)}")
+        if not spaces:
             print("no live engines")
         return 0
-    roles = stop_engine(check_run_id(args.run_id))
-    print(
-        f"stopped {args.run_id}: {', '.join(roles)}" if roles else f"no live engine for run {args.run_id!r}"
-    )
+    run_id = check_run_id(args.run_id)
+    roles = sorted({role for ns in spaces.get(run_id, []) for role in stop_engine(run_id, ns)})
+    print(f"stopped {run_id}: {', '.join(roles)}" if roles else f"no live engine for run {run_id!r}")
     return 0 if roles else 1
