@@ -11,13 +11,9 @@ import ast
 import os
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
-# A folder: every process appends the config fields it reads (tests/pipeline: every field is read).
-_READS_DIR = os.environ.get("RLFLOW_CONFIG_READS")
-_READ: set[str] = set()
 
 
 class Section(BaseModel):
@@ -25,19 +21,6 @@ class Section(BaseModel):
 
     # allow_inf_nan=False: `actor.lr=.inf` or a NaN timeout is refused here, not found out mid-run
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
-
-    if _READS_DIR:
-        def __getattribute__(self, name: str) -> Any:
-            if name in type(self).model_fields:
-                _record_read(f"{type(self).__name__}.{name}")
-            return super().__getattribute__(name)
-
-
-def _record_read(key: str) -> None:
-    if key not in _READ and _READS_DIR:
-        _READ.add(key)
-        with open(os.path.join(_READS_DIR, f"reads-{os.getpid()}.txt"), "a") as f:
-            f.write(key + "\n")
 
 
 class ModelConfig(Section):

@@ -616,8 +616,7 @@ _connected: tuple[str, str, dict[str, str]] | None = None  # what connect_ray jo
 # workers get the path of a 0600 credentials file instead (see `credentials_file`).
 _WORKER_ENV = ("PREFECT_API_URL", "PREFECT_HOME", "PREFECT_LOGGING_LEVEL", "PREFECT_LOCAL_STORAGE_PATH",
                "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION", "RLFLOW_CACHE",
-               "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "DO_NOT_TRACK",
-               "RLFLOW_CONFIG_READS")
+               "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "DO_NOT_TRACK")
 
 
 def worker_env(cfg: RLConfig) -> dict[str, str]:

@@ -203,7 +203,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 # Seconds of items per file in a fresh-clone run of 384f30b (two workers, 2026-12-03), longest first. Two
 # workers take whole files (--dist loadfile) in this order: the longest start first and the tail is short
 # files. xdist would re-sort the files by their number of tests (pyproject: --no-loadscope-reorder).
-_LONGEST_FIRST = ("ops/test_faults.py", "ops/test_multi_turn.py", "pipeline/test_algorithms.py", "engine/test_engine.py",
+_LONGEST_FIRST = ("ops/test_faults.py", "pipeline/test_every_field.py", "ops/test_multi_turn.py", "pipeline/test_algorithms.py", "engine/test_engine.py",
                   "ops/test_async.py", "pipeline/test_reward_model.py", "ops/test_cluster.py", "ops/test_bad_input.py",
                   "ops/test_deploy.py", "pipeline/test_train.py", "ops/test_ui_retry.py", "pipeline/test_families.py",
                   "engine/test_gradients.py", "engine/test_lora.py", "ops/test_worker.py", "ops/test_dynamic_sampling.py",

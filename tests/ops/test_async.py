@@ -55,26 +55,12 @@ def assert_equal_weights(got: dict, want: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(cli: Cli, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """An uninterrupted asynchronous run (k = 1). Its own process (`cli`): RLFLOW_CONFIG_READS is read
-    when engine.config is imported."""
+def reference(warm_cli: WarmCli, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """An uninterrupted asynchronous run (k = 1)."""
     root = tmp_path_factory.mktemp("async-reference")
-    reads = root / "reads"
-    reads.mkdir()
-    proc = cli("train", *args(tiny_model_dir, root, "async-ref", *SPLIT, "trainer.max_staleness=1"),
-               env={"RLFLOW_CONFIG_READS": str(reads)})
+    proc = warm_cli("train", *args(tiny_model_dir, root, "async-ref", *SPLIT, "trainer.max_staleness=1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    read = {line for path in reads.glob("reads-*.txt") for line in path.read_text().split()}
-    return {"root": root, "weights": weights(root, "async-ref"), "metrics": metrics(root, "async-ref"),
-            "read": read}
-
-
-def test_the_asynchronous_settings_are_read(reference: dict) -> None:
-    """The settings only a split, asynchronous run uses (tests/pipeline/test_algorithms.py's every-path
-    run is colocated and on-policy, and leaves exactly these to this test)."""
-    from tests.pipeline.test_algorithms import ASYNC_ONLY
-
-    assert {f"{cls}.{name}" for cls, name in ASYNC_ONLY.values()} <= reference["read"]
+    return {"root": root, "weights": weights(root, "async-ref"), "metrics": metrics(root, "async-ref")}
 
 
 def test_k0_on_split_pools_equals_the_on_policy_loop(warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -97,30 +97,25 @@ REMAX_KL = ("algorithm.adv_estimator=remax", "algorithm.use_kl_in_reward=true", 
 
 
 @pytest.fixture(scope="module")
-def every_path(cli: Cli, tiny_model_dir: Path, root: Path) -> tuple[Run, Path]:
-    """One run that takes every path of the config, recording the config fields each process reads:
-    PPO with a critic, KL in the reward with the adaptive controller and as a loss, an entropy bonus,
-    GSPO with two PPO epochs, validation, a user stage. (run, the folder of the recorded reads)
-    Its own process (`cli`): RLFLOW_CONFIG_READS is read when engine.config is imported."""
-    reads = root / "every-path-reads"
-    reads.mkdir()
-    run = train(cli, root, "every-path", tiny_model_dir, "critic.enable=true", "algorithm.adv_estimator=gae",
-                "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl=adaptive", "actor.use_kl_loss=true",
-                "actor.kl_loss_coef=0.1", "actor.entropy_coeff=0.01", "actor.policy_loss=gspo",
-                "actor.loss_agg_mode=seq-mean-token-mean", "actor.ppo_epochs=2", "actor.clip_low=0.001",
-                "actor.clip_high=0.001", "trainer.val_every=2", "trainer.iterations_per_run=2",
-                f"algorithm.extra_stages={HERE / 'stages.py'}:brevity", "reward.overlong_buffer_len=3",
-                "reward.overlong_penalty_factor=0.5", iterations=2,
-                env={"RLFLOW_CONFIG_READS": str(reads)})  # fmt: skip
-    return run, reads
+def every_path(warm_cli: WarmCli, tiny_model_dir: Path, root: Path) -> Run:
+    """One run through many paths of the config: PPO with a critic, KL in the reward with the adaptive
+    controller and as a loss, an entropy bonus, GSPO with two PPO epochs, validation, a user stage, DAPO's
+    overlong shaping. (Every field's own effect: tests/pipeline/test_every_field.py.)"""
+    return train(warm_cli, root, "every-path", tiny_model_dir, "critic.enable=true", "algorithm.adv_estimator=gae",
+                 "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl=adaptive", "actor.use_kl_loss=true",
+                 "actor.kl_loss_coef=0.1", "actor.entropy_coeff=0.01", "actor.policy_loss=gspo",
+                 "actor.loss_agg_mode=seq-mean-token-mean", "actor.ppo_epochs=2", "actor.clip_low=0.001",
+                 "actor.clip_high=0.001", "trainer.val_every=2", "trainer.iterations_per_run=2",
+                 f"algorithm.extra_stages={HERE / 'stages.py'}:brevity", "reward.overlong_buffer_len=3",
+                 "reward.overlong_penalty_factor=0.5", iterations=2)  # fmt: skip
 
 
-def test_overlong_shaping_is_in_the_scores(every_path: tuple[Run, Path]) -> None:
+def test_overlong_shaping_is_in_the_scores(every_path: Run) -> None:
     """DAPO's overlong shaping: the reward buffer's score is the rule's plus the penalty of its length
     (max_new_tokens 8, buffer 3, factor 0.5: -1/6 per token over 5)."""
     from tests.pipeline.rewards import digit_share
 
-    run, _ = every_path
+    run = every_path
     for i in range(1, run.iterations + 1):
         rollout, reward = run.buffer(i, "rollout"), run.buffer(i, "reward")
         lengths = rollout["response_mask"].sum(dim=1)
@@ -133,10 +128,10 @@ def test_overlong_shaping_is_in_the_scores(every_path: tuple[Run, Path]) -> None
     assert any(run.metrics(i)["reward/overlong_share"] > 0 for i in range(1, run.iterations + 1))
 
 
-def test_kl_loss_entropy_bonus_and_gspo(every_path: tuple[Run, Path]) -> None:
+def test_kl_loss_entropy_bonus_and_gspo(every_path: Run) -> None:
     """The reference is the initial policy: at iteration 1 ref_logp equals old_logp, later it does not
     and the KL loss is positive; the entropy bonus is in the loss that was minimised; GSPO clips."""
-    run, _ = every_path
+    run = every_path
     mask = run.buffer(1, "rollout")["response_mask"]
     close(run.buffer(1, "ref_logprob")["ref_logp"], run.buffer(1, "old_logprob")["old_logp"], mask, atol=1e-6)
     later = run.buffer(2, "rollout")["response_mask"].bool()
@@ -266,39 +261,3 @@ def test_a_stage_reading_a_column_nobody_writes_is_refused_before_launch(cli: Cl
             in proc.stderr), proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "refused").exists()
-
-
-# Fields no pipeline run reads, each with the reason it is not a setting of the numbers.
-# Settings only a split, asynchronous run reads: checked on tests/ops/test_async.py's reference run.
-ASYNC_ONLY = {"placement.rollout_ranks": ("PlacementConfig", "rollout_ranks")}
-OPERATIONAL = {
-    "storage": "where results go and how storage is reached (tests/infra)",
-    "ray": "which Ray cluster and namespace (tests/stack)",
-    "debug": "faults injected by tests (tests/ops)",
-}
-
-
-def test_every_config_field_is_read(every_path: tuple[Run, Path]) -> None:
-    """No setting accepted and ignored: the run that takes every path of the config (`every_path`)
-    recorded every field it read, in every process (flow, stage workers, engine ranks); each field of
-    the engine and trainer sections must be among them. Operational sections are named above and
-    checked to be referenced by the code."""
-    import subprocess
-
-    from flows.config import RLConfig
-
-    _, reads = every_path
-    read = {line for path in reads.glob("reads-*.txt") for line in path.read_text().split()}
-    unread = []
-    for section, field in RLConfig.model_fields.items():
-        model = field.annotation
-        for name in model.model_fields:  # type: ignore[union-attr]
-            if section in OPERATIONAL:
-                used = subprocess.run(["grep", "-rqE", rf"\.{name}\b", "engine", "tasks", "flows", "infra"],
-                                      cwd=HERE.parents[1], check=False)
-                assert used.returncode == 0, f"{section}.{name} is referenced nowhere"
-            elif f"{section}.{name}" in ASYNC_ONLY:
-                continue  # read by tests/ops/test_async.py's split, asynchronous run
-            elif f"{model.__name__}.{name}" not in read:  # type: ignore[union-attr]
-                unread.append(f"{section}.{name}")
-    assert not unread, f"settings accepted and never read: {unread}"

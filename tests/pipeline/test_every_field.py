@@ -1,0 +1,499 @@
+"""Every config field has an effect, or is refused (no setting accepted and ignored).
+
+`EFFECTS` names, for every field of the config (nested ones included, listed by walking the models), how
+a value other than the default shows:
+
+- `Run(value, group)`: `rlflow train` with the value, one short iteration of the tiny model, computes
+  something else than the same run without it: a buffer's tensors, a metric (timings and memory left
+  out), or a file's bytes (weights, trainer state, which files exist). `group` adds the settings the field
+  needs (LoRA for its alpha, the KL penalty for its estimator, ...); the run without the value is the
+  group's own. Two runs of the same config are first checked to fingerprint alike, so a difference is the
+  value's.
+- `Refused(value)`: the config with the value is refused in one line naming the field (its value would
+  change nothing there: the critic's settings without a critic, ...).
+- `AtStart(value)`: `rlflow train` refuses it before anything is written, in one line naming the field
+  (a check that needs the model's files).
+- `Shown(test)`: a named test of the suite sets the field and asserts what it changes (faults, clusters,
+  S3, loggers, vLLM, reward models: setups of their own). Checked here: the test exists and sets the
+  field.
+- `Layout(test)`: how the work is cut (memory and time), not what it computes; the named test shows the
+  result unchanged. These are the fields whose effect no test asserts as a buffer, metric or file.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import re
+import shutil
+from datetime import datetime
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.batch import Batch
+from engine.errors import ConfigError
+from flows.config import RLConfig, load_config
+
+HERE = Path(__file__).resolve().parent
+TESTS = HERE.parent
+REWARD = f"reward.function={HERE / 'rewards.py'}:digit_share"
+
+# One iteration of 2 prompts x 4 responses on one rank, two optimizer steps (Adam's betas act from the
+# second), no validation and no export unless a field asks for them.
+BASE = ("reward.function={reward}", "model.path={model}", "trainer.total_iterations=1", "trainer.save_every=1",
+        "trainer.val_every=0", "trainer.world_size=1", "trainer.export_at_end=false", "data.train_batch_size=2",
+        "rollout.n=4", "actor.mini_batch_size=4", "actor.micro_batch_size=4", "data.val_size=8",
+        "rollout.max_new_tokens=8", "actor.lr=1e-3")
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "base": (),
+    "val": ("trainer.val_every=1",),
+    "two": ("trainer.total_iterations=2",),
+    "cosine": ("trainer.total_iterations=2", "actor.lr_schedule=cosine"),
+    "keep": ("trainer.total_iterations=2", "storage.keep_last=1"),
+    "onestep": ("actor.mini_batch_size=8",),  # one optimizer step: auto reuses the update's log-probs
+    "epochs": ("actor.ppo_epochs=2",),
+    "killed": ("debug.kill_rank_mid_update=0",),  # rank 0 dies in the update: the engine is restarted
+    "lora": ("actor.lora.rank=4",),
+    "kl": ("algorithm.use_kl_in_reward=true",),
+    # the controller's error is clipped to +-0.2: the target shows where the KL (that of iteration 1 is 0,
+    # ~0.9 in iteration 2) falls on the other side of it than of the default 0.1
+    "adaptive": ("trainer.total_iterations=2", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl=adaptive",
+                 "algorithm.kl_penalty=k3"),
+    "klloss": ("actor.use_kl_loss=true",),
+}
+
+
+class Run(NamedTuple):
+    value: str
+    group: str = "base"
+    fails: bool = False  # the value makes the run fail where the group's run succeeds
+
+
+class Refused(NamedTuple):
+    value: str
+
+
+class AtStart(NamedTuple):
+    value: str
+
+
+class Shown(NamedTuple):
+    test: str  # a node id: tests/<file>.py::<function>
+
+
+class Layout(NamedTuple):
+    """How the work is cut (memory, time), not what it computes: the named test shows the result
+    unchanged by the mechanism the field sets. No test here measures its memory or time."""
+
+    test: str
+
+
+MT = "tests/ops/test_multi_turn.py"
+RM = "tests/pipeline/test_reward_model.py"
+FAULTS = "tests/ops/test_faults.py"
+CLUSTER = "tests/ops/test_cluster.py"
+
+EFFECTS: dict[str, Run | Refused | AtStart | Shown | Layout] = {
+    "model.path": Run("{other_model}"),
+    "model.tokenizer_path": Run("{other_tokenizer}"),
+    "model.dtype": Run("bfloat16"),
+    "model.trust_remote_code": AtStart("true"),
+    "model.tiny_seed": AtStart("1"),
+    "data.train_files": Run("[{train_file}]"),
+    "data.val_files": Run("[{val_file}]", "val"),
+    "data.task": Shown("tests/data/test_prompt_data.py::test_load_train_val_from_config"),
+    "data.train_size": Shown("tests/data/test_prompt_data.py::test_load_train_val_from_config"),
+    "data.val_size": Run("9", "val"),
+    "data.prompt_key": Refused("question"),
+    "data.max_prompt_length": Shown("tests/data/test_prompt_data.py::test_long_prompts_are_dropped_with_a_count_in_the_log"),
+    "data.truncation": Shown("tests/data/test_prompt_data.py::test_truncation_left_and_right_cut_the_encoded_prompt"),
+    "data.train_batch_size": Shown("tests/pipeline/test_algorithms.py::test_rloo"),
+    "data.val_batch_size": Run("3", "val"),
+    "data.shuffle": Shown("tests/data/test_sampler.py::test_no_shuffle_keeps_file_order"),
+    "data.seed": Shown("tests/data/test_sampler.py::test_order_is_the_same_in_another_process"),
+    "rollout.name": Shown("tests/engine/test_vllm_engine.py::test_after_a_sync_vllm_generates_as_the_trained_model"),
+    "rollout.n": Shown("tests/pipeline/test_algorithms.py::test_rloo"),
+    "rollout.temperature": Shown("tests/engine/test_rollout.py::test_draws_follow_the_tempered_distribution"),
+    "rollout.top_p": Shown("tests/engine/test_rollout.py::test_top_k_and_top_p_renormalise_over_the_kept_tokens"),
+    "rollout.top_k": Shown("tests/engine/test_rollout.py::test_top_k_and_top_p_renormalise_over_the_kept_tokens"),
+    "rollout.max_new_tokens": Run("6"),
+    "rollout.val_do_sample": Run("false", "val"),
+    "rollout.micro_batch_size": Run("3"),
+    "rollout.weights": Run("copy"),
+    "rollout.multi_turn.enable": Refused("true"),
+    "rollout.multi_turn.tools": Shown(f"{MT}::test_a_broken_tool_gives_error_observations"),
+    "rollout.multi_turn.format": Refused("llama3_json"),
+    "rollout.multi_turn.max_turns": Refused("2"),
+    "rollout.multi_turn.tool_timeout_s": Refused("1"),
+    "rollout.multi_turn.tool_memory_mb": Refused("64"),
+    "rollout.multi_turn.max_tool_response_chars": Refused("3"),
+    "rollout.log_prob_max_tokens_per_micro_batch": Layout("tests/engine/test_gradients.py::test_token_budget_micro_batches_give_the_same_gradient"),
+    "rollout.vllm.max_model_len": Refused("64"),
+    "rollout.vllm.memory_share": Refused("0.1"),
+    "rollout.vllm.kv_cache_gib": Refused("0.5"),
+    "rollout.vllm.enforce_eager": Refused("false"),
+    "actor.lr": Run("3e-3"),
+    "actor.weight_decay": Run("0.1"),
+    "actor.betas": Run("[0.5,0.9]"),
+    "actor.warmup_steps": Run("2"),
+    "actor.lr_schedule": Run("cosine", "two"),
+    "actor.min_lr_ratio": Run("0.5", "cosine"),
+    "actor.grad_clip": Run("0.01"),
+    "actor.ppo_epochs": Run("2"),
+    "actor.mini_batch_size": Run("8"),
+    "actor.micro_batch_size": Shown("tests/engine/test_gradients.py::test_actor_gradient_equals_one_process"),
+    "actor.reshard_after_forward": Refused("false"),
+    "actor.grad_sync": Refused("optimizer_step"),
+    "actor.max_tokens_per_micro_batch": Shown("tests/engine/test_gradients.py::test_token_budget_micro_batches_give_the_same_gradient"),
+    "actor.packed_sequences": Shown("tests/engine/test_gradients.py::test_layout_and_memory_options_give_the_same_gradient"),
+    "actor.mixed_precision": Run("bf16"),
+    "actor.gradient_checkpointing": Shown("tests/engine/test_gradients.py::test_layout_and_memory_options_give_the_same_gradient"),
+    "actor.cpu_offload": Refused("true"),
+    "actor.lora.rank": Run("4"),
+    "actor.lora.alpha": Run("8", "lora"),
+    "actor.lora.dropout": Run("0.1", "lora"),
+    "actor.lora.target_modules": Run("[q_proj]", "lora"),
+    "actor.lora.modules_to_save": Shown("tests/engine/test_lora.py::test_modules_to_save_train_in_full_next_to_the_adapters"),
+    "actor.policy_loss": Shown("tests/pipeline/test_algorithms.py::test_kl_loss_entropy_bonus_and_gspo"),
+    "actor.clip_low": Shown("tests/pipeline/test_algorithms.py::test_kl_loss_entropy_bonus_and_gspo"),
+    "actor.clip_high": Run("0.001", "epochs"),
+    "actor.clip_ratio_c": Run("1.001"),
+    "actor.loss_agg_mode": Shown("tests/engine/test_gradients.py::test_actor_gradient_equals_one_process"),
+    "actor.use_kl_loss": Run("true"),
+    "actor.kl_loss_coef": Shown("tests/pipeline/test_algorithms.py::test_kl_loss_entropy_bonus_and_gspo"),
+    "actor.kl_loss_type": Run("k1", "klloss"),
+    "actor.entropy_coeff": Shown("tests/pipeline/test_algorithms.py::test_kl_loss_entropy_bonus_and_gspo"),
+    "actor.share_prompts": Shown("tests/engine/test_engine.py::test_fsdp_communication_options_give_the_same_gradient"),
+    "actor.rollout_correction.mode": Shown("tests/pipeline/test_algorithms.py::test_rollout_correction_reaches_the_update"),
+    "actor.rollout_correction.level": Refused("sequence"),
+    "actor.rollout_correction.upper": Refused("1.5"),
+    "actor.rollout_correction.lower": Refused("0.9"),
+    "actor.old_log_prob": Run("recompute", "onestep"),
+    "critic.lr": Refused("1e-3"),
+    "critic.weight_decay": Refused("0.1"),
+    "critic.betas": Refused("[0.5,0.9]"),
+    "critic.warmup_steps": Refused("2"),
+    "critic.lr_schedule": Refused("cosine"),
+    "critic.min_lr_ratio": Refused("0.5"),
+    "critic.grad_clip": Refused("0.1"),
+    "critic.ppo_epochs": Refused("2"),
+    "critic.mini_batch_size": Refused("8"),
+    "critic.micro_batch_size": Refused("2"),
+    "critic.reshard_after_forward": Refused("false"),
+    "critic.grad_sync": Refused("optimizer_step"),
+    "critic.max_tokens_per_micro_batch": Refused("40"),
+    "critic.packed_sequences": Refused("true"),
+    "critic.mixed_precision": Refused("bf16"),
+    "critic.gradient_checkpointing": Refused("true"),
+    "critic.cpu_offload": Refused("true"),
+    "critic.lora.rank": Refused("4"),
+    "critic.lora.alpha": Refused("8"),
+    "critic.lora.dropout": Refused("0.1"),
+    "critic.lora.target_modules": Refused("[q_proj]"),
+    "critic.lora.modules_to_save": Refused("[score]"),
+    "critic.enable": Refused("true"),
+    "critic.model_path": Refused("{other_model}"),
+    "critic.clip_range_value": Refused("0.1"),
+    "critic.loss_agg_mode": Refused("seq-mean-token-mean"),
+    "ref.micro_batch_size": Refused("3"),
+    "ref.max_tokens_per_micro_batch": Refused("40"),
+    "algorithm.adv_estimator": Shown("tests/pipeline/test_algorithms.py::test_rloo"),
+    "algorithm.gamma": Refused("0.5"),
+    "algorithm.lam": Refused("0.5"),
+    "algorithm.norm_adv_by_std": Run("false"),
+    "algorithm.use_kl_in_reward": Run("true"),
+    "algorithm.kl_penalty": Run("k3", "kl"),
+    "algorithm.kl_ctrl": Shown("tests/pipeline/test_algorithms.py::test_adaptive_kl_in_the_reward_and_remax_baseline"),
+    "algorithm.kl_coef": Shown("tests/pipeline/test_algorithms.py::test_adaptive_kl_in_the_reward_and_remax_baseline"),
+    "algorithm.kl_target": Run("100", "adaptive"),
+    "algorithm.kl_horizon": Shown("tests/pipeline/test_algorithms.py::test_adaptive_kl_in_the_reward_and_remax_baseline"),
+    "algorithm.filter_groups": Shown("tests/ops/test_dynamic_sampling.py::test_kept_groups_differ_and_the_sampler_follows_on"),
+    "algorithm.max_num_gen_batches": Refused("2"),
+    "algorithm.cost_limit": Refused("0.5"),
+    "algorithm.lagrange_init": Refused("2.0"),
+    "algorithm.lagrange_lr": Refused("0.5"),
+    "algorithm.lagrange_max": Refused("3.0"),
+    "algorithm.extra_stages": Shown("tests/pipeline/test_algorithms.py::test_dr_grpo_with_a_user_stage_as_second_reward"),
+    "reward.model.path": Shown(f"{RM}::test_rewards_of_a_reward_model_pool"),
+    "reward.model.tokenizer_path": Refused("{other_tokenizer}"),
+    "reward.model.dtype": Refused("bfloat16"),
+    "reward.model.trust_remote_code": Refused("true"),
+    "reward.model.weight": Refused("0.5"),
+    "reward.model.micro_batch_size": Refused("3"),
+    "reward.model.max_length": Refused("20"),
+    "reward.model.placement": Refused("colocated"),
+    "reward.model.ranks": Refused("2"),
+    "reward.rule_weight": Refused("0.5"),
+    "reward.function": Shown("tests/rewards/test_reward_registry.py::test_custom_reward_from_a_file_path"),
+    "reward.cost_function": Refused("{cost}"),
+    "reward.chunk_size": Layout("tests/pipeline/test_train.py::test_grpo_three_iterations_on_s3"),
+    "reward.sandbox.isolation": Shown("tests/rewards/test_sandbox_escapes.py::test_the_isolation_setting_reaches_the_sandbox"),
+    "reward.sandbox_timeout_s": Shown("tests/rewards/test_sandbox.py::test_limits_come_from_the_reward_config"),
+    "reward.sandbox_memory_mb": Shown("tests/rewards/test_sandbox.py::test_limits_come_from_the_reward_config"),
+    "reward.overlong_buffer_len": Shown("tests/pipeline/test_algorithms.py::test_overlong_shaping_is_in_the_scores"),
+    "reward.overlong_penalty_factor": Refused("0.5"),
+    "trainer.project": Refused("other"),
+    "trainer.run_id": Shown("tests/ops/test_credentials.py::test_secret_not_in_prefect"),
+    "trainer.total_iterations": Run("2"),
+    "trainer.iterations_per_run": Shown("tests/ops/test_deploy.py::test_continue_lineage_on_schedule"),
+    "trainer.save_every": Shown("tests/pipeline/test_train.py::test_grpo_three_iterations_on_s3"),
+    "trainer.val_every": Shown("tests/pipeline/test_train.py::test_grpo_three_iterations_on_s3"),
+    "trainer.world_size": Shown("tests/ops/test_async.py::test_async_rollouts_use_the_scheduled_versions_and_overlap_updates"),
+    "trainer.max_staleness": Refused("1"),
+    "trainer.device": Shown("tests/test_config.py::test_device_auto_resolves_and_what_is_not_built_is_refused"),
+    "trainer.seed": Run("1"),
+    "trainer.export_at_end": Run("true"),
+    "trainer.export_merged": Refused("true"),
+    "trainer.keep_engine": Shown(f"{CLUSTER}::test_lost_node_mid_update_waits_for_a_replacement"),
+    "trainer.max_engine_restarts": Run("0", "killed", fails=True),
+    "trainer.stage_timeout_s": Shown(f"{CLUSTER}::test_lost_node_mid_update_waits_for_a_replacement"),
+    "trainer.stage_timeouts": Shown(f"{FAULTS}::test_hung_rank_mid_update_is_restarted"),
+    "trainer.capacity_timeout_s": Shown(f"{CLUSTER}::test_no_capacity_in_time_fails_then_resume_goes_on"),
+    "trainer.loggers": Shown("tests/ops/test_credentials.py::test_secret_not_in_persisted_results_or_logger_files"),
+    "trainer.log_dir": Refused("{root}/logs"),
+    "storage.root": Shown("tests/pipeline/test_train.py::test_grpo_three_iterations_on_s3"),
+    "storage.endpoint_url": Refused("http://127.0.0.1:9"),
+    "storage.region": Refused("eu-west-3"),
+    "storage.access_key_id": Refused("AKIAEXAMPLE"),
+    "storage.secret_access_key": Refused("hunter2"),
+    "storage.shared_fs": Shown("tests/test_config.py::test_local_storage_on_two_nodes"),
+    "storage.keep_last": Run("1", "two"),
+    "storage.keep_every": Run("1", "keep"),
+    "storage.lease_ttl_s": Run("120"),
+    "storage.retry_attempts": Shown("tests/infra/test_store.py::test_credentials_never_leak"),
+    "storage.retry_max_wait_s": Shown("tests/infra/test_store.py::test_credentials_never_leak"),
+    "storage.connect_timeout_s": Refused("1"),
+    "storage.read_timeout_s": Refused("1"),
+    "storage.max_concurrency": Shown("tests/infra/test_store.py::test_max_concurrency_from_the_config"),
+    "placement.mode": Shown("tests/ops/test_async.py::test_async_rollouts_use_the_scheduled_versions_and_overlap_updates"),
+    "placement.rollout_ranks": Refused("2"),
+    "placement.sync_bucket_mb": Refused("0.25"),
+    "placement.cpus_per_rank": Shown(f"{CLUSTER}::test_no_capacity_in_time_fails_then_resume_goes_on"),
+    "placement.cpu_kernels": Shown("tests/models/test_model_loading.py::test_cpu_kernels_modes"),
+    "ray.address": Shown("tests/test_doctor.py::test_unreachable_ray_address"),
+    "ray.namespace": Shown("tests/pipeline/test_every_field.py::test_an_engine_kept_in_its_namespace"),
+    "ray.max_concurrent_stages": AtStart("1"),
+    "ray.placement": Shown(f"{CLUSTER}::test_lost_node_mid_update_waits_for_a_replacement"),
+    "debug.fail_stage": Shown("tests/ops/test_async.py::test_failed_then_killed_async_run_resumes_like_the_uninterrupted_one"),
+    "debug.fail_times": Shown("tests/ops/test_async.py::test_failed_then_killed_async_run_resumes_like_the_uninterrupted_one"),
+    "debug.fail_iteration": Shown("tests/ops/test_async.py::test_failed_then_killed_async_run_resumes_like_the_uninterrupted_one"),
+    "debug.kill_flow_after": Shown("tests/ops/test_dynamic_sampling.py::test_failed_then_killed_dynamic_sampling_run_resumes_like_the_uninterrupted_one"),
+    "debug.kill_iteration": Shown(f"{FAULTS}::test_engine_rank_killed_mid_update_then_killed_during_checkpoint_upload"),
+    "debug.kill_rank_mid_update": Shown(f"{FAULTS}::test_engine_rank_killed_mid_update_then_killed_during_checkpoint_upload"),
+    "debug.stop_rank_mid_update": Shown(f"{FAULTS}::test_hung_rank_mid_update_is_restarted"),
+    "debug.kill_during_checkpoint": Shown(f"{FAULTS}::test_engine_rank_killed_mid_update_then_killed_during_checkpoint_upload"),
+}
+
+
+def config_fields(model: type = RLConfig, prefix: str = "") -> list[str]:
+    """Every field of the config, nested sections walked (actor.lora.rank, rollout.multi_turn.tools, ...)."""
+    out = []
+    for name, field in model.model_fields.items():  # type: ignore[attr-defined]
+        annotation = field.annotation
+        if isinstance(annotation, type) and hasattr(annotation, "model_fields"):
+            out += config_fields(annotation, f"{prefix}{name}.")
+        else:
+            out.append(f"{prefix}{name}")
+    return out
+
+
+def test_every_field_has_an_entry() -> None:
+    fields = config_fields()
+    assert len(fields) > 150
+    missing, stale = sorted(set(fields) - set(EFFECTS)), sorted(set(EFFECTS) - set(fields))
+    assert not missing and not stale, f"fields without an entry: {missing}; entries of no field: {stale}"
+
+
+# -- refused ------------------------------------------------------------------------------------------
+
+PLACEHOLDERS = {"reward": str(HERE / "rewards.py") + ":digit_share", "model": "/nonexistent/model",
+                "other_model": "/nonexistent/other", "other_tokenizer": "/nonexistent/tok", "root": "/nonexistent/root",
+                "cost": str(HERE / "rewards.py") + ":length_cost"}
+
+
+@pytest.mark.parametrize("field", [f for f, e in EFFECTS.items() if isinstance(e, Refused)])
+def test_refused(field: str) -> None:
+    """The base config with the value: one ConfigError line that names the field."""
+    entry = EFFECTS[field]
+    base = [b.format(**PLACEHOLDERS) for b in BASE] + ["storage.root=/nonexistent/root", "trainer.run_id=r"]
+    load_config(None, base)  # the base itself is accepted
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [*base, f"{field}={entry.value.format(**PLACEHOLDERS)}"])
+    message = str(err.value)
+    assert message.startswith(f"{field}=") and "\n" not in message, message
+
+
+# -- shown by a named test ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field", [f for f, e in EFFECTS.items() if isinstance(e, (Shown, Layout))])
+def test_shown_by_a_named_test(field: str) -> None:
+    """The named test exists, and it (or the module constants it uses) sets the field."""
+    entry = EFFECTS[field]
+    assert isinstance(entry, (Shown, Layout))
+    path, _, name = entry.test.partition("::")
+    source = (TESTS.parent / path).read_text()
+    functions = {node.name: ast.get_source_segment(source, node) for node in ast.walk(ast.parse(source))
+                 if isinstance(node, ast.FunctionDef)}
+    assert name in functions, f"{field}: {path} has no test {name}"
+    if isinstance(entry, Layout):
+        return
+    leaf = field.rsplit(".", 1)[1]
+    assert f"{field}=" in source or re.search(rf"\b{leaf}\b", functions[name] or "") or \
+        re.search(rf"[\"']{leaf}[\"']: ", source), f"{field}: {path}::{name} does not set it"
+
+
+# -- runs ---------------------------------------------------------------------------------------------
+
+VOLATILE = re.compile(r"^timing_s/|_per_s$|^perf/(orchestration_s|peak_rss_gb|throughput|time_per_step)$|receive_s$")
+SKIPPED = re.compile(r"(^|/)(run\.json|MANIFEST\.json|\.metadata|extra_rank\d+\.pt|[^/]*\.ref\.json|\.rlflow-lock[^/]*)$"
+                     r"|^(trace|logs|debug)/")
+
+
+def _metrics(text: str) -> str:
+    def clean(value: object) -> object:
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items() if not VOLATILE.search(k)}
+        return value
+
+    return json.dumps(clean(json.loads(text)), sort_keys=True)
+
+
+def fingerprint(folder: Path) -> dict[str, str]:
+    """What a run computed, by file: a buffer's tensors and columns, a metrics file's values without
+    timings and memory, the lease's time to live, any other file's bytes. Files that record when and
+    where (run.json holds the config itself, manifests and refs their times) are left out."""
+    out = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix()
+        if SKIPPED.search(rel):
+            continue
+        if rel.endswith(".parquet"):
+            batch = Batch.from_parquet(str(path))
+            digest = hashlib.sha256()
+            for key in sorted(batch.tensors):
+                tensor = batch.tensors[key].contiguous()
+                digest.update(f"{key}{tensor.dtype}{tuple(tensor.shape)}".encode())
+                digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+            digest.update(json.dumps(batch.columns, sort_keys=True, default=str).encode())
+            out[rel] = digest.hexdigest()
+        elif rel.startswith("metrics/") or re.search(r"^buffers/.*\.json$", rel):
+            out[rel] = _metrics(path.read_text())
+        elif rel == "lock.json":
+            lock = json.loads(path.read_text())
+            ttl = (datetime.fromisoformat(lock["expires"]) - datetime.fromisoformat(lock["renewed"])).total_seconds()
+            out[rel] = f"ttl {ttl:g}"
+        else:
+            out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def inputs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """What the values name: another model (one weight changed), another tokenizer (another chat
+    template), prompt files in verl's layout, another reward."""
+    from engine.data import ensure_synthetic_data
+
+    root = tmp_path_factory.mktemp("every-field")
+    other = root / "other-model"
+    shutil.copytree(tiny_model_dir, other)
+    weights = load_file(other / "model.safetensors")
+    name = sorted(weights)[0]
+    weights[name] = weights[name] * 1.5
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    tokenizer = root / "other-tokenizer"
+    tokenizer.mkdir()
+    for file in tiny_model_dir.iterdir():
+        if file.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(file, tokenizer / file.name)
+    template = tokenizer / "chat_template.jinja"
+    template.write_text(template.read_text().replace("{{- bos_token -}}", "{{- bos_token + '<|system|>' + 'sort' -}}", 1))
+    train, val = ensure_synthetic_data("sort", root / "data", train_size=32, val_size=8, seed=7)
+    return {"reward": str(HERE / "rewards.py") + ":digit_share", "model": str(tiny_model_dir),
+            "other_model": str(other), "other_tokenizer": str(tokenizer), "train_file": str(train),
+            "val_file": str(val), "other_reward": str(HERE / "rewards.py") + ":length_cost",
+            "stages": str(HERE / "stages.py"), "root": str(root), "cost": str(HERE / "rewards.py") + ":length_cost"}
+
+
+class Runs:
+    """`rlflow train` per distinct list of settings, once; their fingerprints."""
+
+    def __init__(self, cli: object, inputs: dict[str, str], root: Path) -> None:
+        self.cli, self.inputs, self.root, self.done = cli, inputs, root, {}
+
+    def __call__(self, *settings: str) -> dict[str, str]:
+        key = tuple(s.format(**self.inputs) for s in (*BASE, *settings))
+        if key not in self.done:
+            run_id = f"f{len(self.done):03d}"
+            proc = self.cli("train", *key, f"storage.root={self.root}", f"trainer.run_id={run_id}")  # type: ignore[operator]
+            self.done[key] = {**fingerprint(self.root / run_id), "(exit)": str(proc.returncode),
+                              "(last error line)": proc.stderr.strip().splitlines()[-1] if proc.returncode else ""}
+        return self.done[key]
+
+
+@pytest.fixture(scope="module")
+def runs(warm_cli: object, inputs: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    return Runs(warm_cli, inputs, tmp_path_factory.mktemp("every-field-runs"))
+
+
+def differences(a: dict[str, str], b: dict[str, str]) -> list[str]:
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+@pytest.mark.slow
+def test_the_same_settings_fingerprint_alike(runs: Runs, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The base run twice, under its own run id each time: nothing differs, so a difference below is the
+    value's."""
+    first = runs()
+    again = Runs(runs.cli, runs.inputs, tmp_path_factory.mktemp("every-field-again"))()
+    assert first["(exit)"] == "0", first["(last error line)"]
+    assert not differences(first, again), differences(first, again)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("field", [f for f, e in EFFECTS.items() if isinstance(e, Run)])
+def test_a_value_changes_what_the_run_computes(field: str, runs: Runs) -> None:
+    entry = EFFECTS[field]
+    assert isinstance(entry, Run)
+    context = GROUPS[entry.group]
+    baseline, changed = runs(*context), runs(*context, f"{field}={entry.value}")
+    assert baseline["(exit)"] == "0", baseline["(last error line)"]
+    if entry.fails:
+        assert changed["(exit)"] != "0", f"{field}={entry.value}: the run did not fail"
+    else:
+        assert changed["(exit)"] == "0", changed["(last error line)"]
+    assert differences(baseline, changed), f"{field}={entry.value} changed nothing the run computes"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("field", [f for f, e in EFFECTS.items() if isinstance(e, AtStart)])
+def test_refused_at_start(field: str, runs: Runs) -> None:
+    """`rlflow train` with the value: one error line naming the field, and nothing written."""
+    entry = EFFECTS[field]
+    run_id = f"refused-{field.replace('.', '-').replace('_', '-')}"
+    args = [s.format(**runs.inputs) for s in BASE] + [f"{field}={entry.value}", f"storage.root={runs.root}",
+                                                     f"trainer.run_id={run_id}"]
+    proc = runs.cli("train", *args)  # type: ignore[operator]
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1 and lines[0].startswith(f"rlflow: error: {field}="), proc.stderr
+    assert not (runs.root / run_id).exists()
+
+
+@pytest.mark.slow
+def test_an_engine_kept_in_its_namespace(runs: Runs, cli: object) -> None:
+    """ray.namespace: the run's engine actors live there (trainer.keep_engine leaves them after the run);
+    `rlflow engine list` shows every namespace, and `rlflow engine stop RUN` finds the run in its own."""
+    args = [s.format(**runs.inputs) for s in BASE] + [f"storage.root={runs.root}", "trainer.run_id=kept",
+                                                     "trainer.keep_engine=true", "ray.namespace=every-field"]
+    proc = runs.cli("train", *args)  # type: ignore[operator]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    listed = cli("engine", "list")  # type: ignore[operator]
+    row = next(line for line in listed.stdout.splitlines() if "kept" in line)
+    assert [cell.strip() for cell in row.split("│")[1:-1]][::4] == ["kept", "every-field"], listed.stdout
+    stopped = cli("engine", "stop", "kept")  # type: ignore[operator]
+    assert stopped.returncode == 0 and stopped.stdout.strip() == "stopped kept: policy", stopped.stdout
