@@ -51,19 +51,23 @@ def _list(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from engine.workers.group import engine_namespaces, list_engines
+    from engine.workers.group import NAMESPACE, engine_namespaces, list_engines
 
     connect(args.address)
     spaces = engine_namespaces()
     if not spaces:
         print("no live engines")
         return 0
-    table = Table("run id", "role", "ranks", "nodes (of the ranks, in order)", "namespace (ray.namespace)")
+    table = Table("run id", "role", "ranks", "nodes (of the ranks, in order)")
     for namespace in sorted({ns for found in spaces.values() for ns in found}):
         for run_id, roles in list_engines(namespace).items():
             for role, ranks in roles.items():
-                table.add_row(run_id, role, ", ".join(map(str, ranks)), _rank_nodes(run_id, role, namespace), namespace)
+                table.add_row(run_id, role, ", ".join(map(str, ranks)), _rank_nodes(run_id, role, namespace))
     Console().print(table)
+    for run_id, namespaces in spaces.items():  # a run whose ray.namespace is not the default
+        for namespace in namespaces:
+            if namespace != NAMESPACE:
+                print(f"{run_id}: in Ray namespace {namespace} (ray.namespace)")
     return 0
 
 
