@@ -293,9 +293,9 @@ def _score_chunk(sources: list[str], texts: list[str], truths: list[Any], extra:
 
 
 def _score(ctx: StageContext, batch: Batch, text_key: str = "response_text", cfg: RewardConfig | None = None
-           ) -> torch.Tensor:
-    """Scores [B] of `batch[text_key]` by `cfg` (the run's reward by default): in this process, or in
-    chunks as parallel Ray tasks.
+           ) -> tuple[torch.Tensor, int]:
+    """(scores [B] of `batch[text_key]` by `cfg` (the run's reward by default), the chunks they were
+    scored in): one chunk in this process, or reward.chunk_size rows a chunk as parallel Ray tasks.
 
     One chunk is scored here: a Ray task for it would cost more than rule rewards take, and each
     extra num_cpus=0 task may start a worker process that competes with the next stage for the cores.
@@ -304,7 +304,7 @@ def _score(ctx: StageContext, batch: Batch, text_key: str = "response_text", cfg
     size = cfg.chunk_size
     if len(batch) <= size:
         return torch.tensor(score_batch(batch["data_source"], batch[text_key], batch["ground_truth"],
-                                        batch["extra_info"], cfg=cfg).scores, dtype=torch.float32)
+                                        batch["extra_info"], cfg=cfg).scores, dtype=torch.float32), 1
     dumped = cfg.model_dump()
     refs = [
         _score_chunk.remote(batch["data_source"][i:i + size], batch[text_key][i:i + size],
@@ -312,17 +312,18 @@ def _score(ctx: StageContext, batch: Batch, text_key: str = "response_text", cfg
         for i in range(0, len(batch), size)
     ]
     scores = [s for chunk in ray.get(refs) for s in chunk]
-    return torch.tensor(scores, dtype=torch.float32)
+    return torch.tensor(scores, dtype=torch.float32), len(refs)
 
 
 def rule_scores(ctx: StageContext, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """(the rule reward of each response, DAPO's overlong shaping penalty (zeros when off), its metrics)."""
-    rule = _score(ctx, batch)
+    rule, chunks = _score(ctx, batch)
+    metrics = {"reward/score_chunks": float(chunks)}
     if not ctx.plan.reward.overlong_buffer_len:
-        return rule, torch.zeros_like(rule), {}
+        return rule, torch.zeros_like(rule), metrics
     penalty = overlong_penalty(response_lengths(batch), ctx.plan.rollout.max_new_tokens,
                                ctx.plan.reward.overlong_buffer_len, ctx.plan.reward.overlong_penalty_factor)
-    return rule, penalty, {"reward/overlong_penalty_mean": float(penalty.mean()),
+    return rule, penalty, {**metrics, "reward/overlong_penalty_mean": float(penalty.mean()),
                            "reward/overlong_share": float((penalty < 0).float().mean())}
 
 
@@ -365,7 +366,7 @@ def score_costs(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[st
     batch = _inputs(ctx, stage, inputs)
     start = time.perf_counter()
     cfg = ctx.plan.reward.model_copy(update={"function": ctx.plan.reward.cost_function})
-    cost = _score(ctx, batch, cfg=cfg)
+    cost, _ = _score(ctx, batch, cfg=cfg)
     return _write(ctx, iteration, stage, Batch({"cost": cost}, {}),
                   {"timing_s/cost": time.perf_counter() - start, "safety/cost/mean": float(cost.mean())})
 
@@ -393,7 +394,7 @@ def score_baseline(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict
     n = ctx.plan.rollout.n
     batch = _inputs(ctx, stage, inputs)
     start = time.perf_counter()
-    per_prompt = _score(ctx, batch.index(list(range(0, len(batch), n))), text_key="baseline_response_text")
+    per_prompt, _ = _score(ctx, batch.index(list(range(0, len(batch), n))), text_key="baseline_response_text")
     out = Batch({"baseline_score": per_prompt.repeat_interleave(n)}, {})
     return _write(ctx, iteration, stage, out, {"timing_s/reward_baseline": time.perf_counter() - start})
 
@@ -438,7 +439,10 @@ def _forward_stage(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict
     batch = _inputs(ctx, stage, inputs)
     start = time.perf_counter()
     out = call(ctx.engine(stage.name), batch)
-    return _write(ctx, iteration, stage, Batch(out.tensors, {}), {timing: time.perf_counter() - start})
+    metrics = {timing: time.perf_counter() - start}
+    if "micro_batches" in out.meta:  # how the pass was cut (every rank runs as many)
+        metrics[f"perf/{timing.removeprefix('timing_s/')}_micro_batches"] = float(out.meta["micro_batches"])
+    return _write(ctx, iteration, stage, Batch(out.tensors, {}), metrics)
 
 
 @stage_task("compute_old_logprobs")
@@ -598,7 +602,7 @@ def validate(plan: RunPlan, iteration: int) -> StageResult:
                                         do_sample=ctx.plan.rollout.val_do_sample, pool="policy")
                         for chunk in prompts.chunks(ctx.plan.data.val_batch_size)])
     out = out.with_columns(response_text=response_texts(ctx.tokenizer, out))
-    score = _score(ctx, out)
+    score, _ = _score(ctx, out)
     # The validation responses and their scores, readable like the training buffers (not consumed by any
     # stage: a retried validation replaces them).
     write_buffer(ctx.store, ctx.plan.run_id, iteration, "validation", out.with_tensors(score=score))

@@ -143,8 +143,9 @@ class PolicyWorker(RankWorker):
         self.check_version(expected_version)
         self.actor.eval()
         budget = self.spec.rollout.log_prob_max_tokens_per_micro_batch or self.spec.actor.max_tokens_per_micro_batch
-        logp, entropy = self._forward_chunks(self.actor, batch, self.spec.actor.micro_batch_size, budget, entropy=True)
-        return Batch({"old_logp": logp, "entropy": entropy}, {})
+        logp, entropy, chunks = self._forward_chunks(self.actor, batch, self.spec.actor.micro_batch_size, budget,
+                                                     entropy=True)
+        return Batch({"old_logp": logp, "entropy": entropy}, {}, {"micro_batches": chunks})
 
     @torch.no_grad()
     @traced
@@ -157,13 +158,13 @@ class PolicyWorker(RankWorker):
         if self.peft is not None:
             self.actor.eval()
             with lora.adapters_disabled(self.peft):
-                logp, _ = self._forward_chunks(self.actor, batch, ref.micro_batch_size,
-                                               ref.max_tokens_per_micro_batch, entropy=False)
+                logp, _, chunks = self._forward_chunks(self.actor, batch, ref.micro_batch_size,
+                                                       ref.max_tokens_per_micro_batch, entropy=False)
         else:
             assert self.ref is not None
-            logp, _ = self._forward_chunks(self.ref, batch, ref.micro_batch_size, ref.max_tokens_per_micro_batch,
-                                           entropy=False)
-        return Batch({"ref_logp": logp}, {})
+            logp, _, chunks = self._forward_chunks(self.ref, batch, ref.micro_batch_size,
+                                                   ref.max_tokens_per_micro_batch, entropy=False)
+        return Batch({"ref_logp": logp}, {}, {"micro_batches": chunks})
 
     @torch.no_grad()
     def rollout_log_prob(self, batch: Batch) -> Batch:
@@ -175,9 +176,9 @@ class PolicyWorker(RankWorker):
         return Batch({"logp": algos.logprobs_from_logits(logits, batch["responses"])}, {})
 
     def _forward_chunks(self, model: nn.Module, batch: Batch, rows: int, tokens: int | None, entropy: bool
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """[B, T] log-probs (and entropies) of `batch`'s responses, in micro-batches planned as the update's
-        (the same count on every rank: each forward all-gathers)."""
+        (the same count on every rank: each forward all-gathers), and that count."""
         layout = self.spec.actor.forward_layout
         plan = fsdp.plan_micro_batches(batch, max_rows=rows, max_tokens=tokens, packed=layout == "packed",
                                        group_prompts=layout == "shared")
@@ -191,7 +192,7 @@ class PolicyWorker(RankWorker):
             logp[micro_rows] = algos.logprobs_from_logits(logits, micro["responses"])
             if entropy:
                 ent[micro_rows] = algos.entropy_from_logits(logits)
-        return logp, ent
+        return logp, ent, len(plan)
 
     # -- update ------------------------------------------------------------------------------------
     @traced
