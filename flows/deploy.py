@@ -248,15 +248,21 @@ def _export_policy(base: BaseCheckpoint, store: ObjectStore, tmp: Path, trust_re
 
 # -- deployments --------------------------------------------------------------------------------------
 
+def refuse_stored_secrets(overrides: list[str]) -> None:
+    """A credential among the overrides would be stored in the deployment's parameters: refused, whatever
+    else the config says (before it is read)."""
+    secret = [o for o in overrides if o.partition("=")[0].strip() in SECRET_KEYS]
+    if secret:
+        raise ConfigError(f"{secret[0].partition('=')[0]} would be stored in the deployment's parameters: set "
+                          "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment of `rlflow serve`")
+
+
 def check_spec(spec: DeploySpec) -> RLConfig:
     """Refuse what would fail later, before the deployment exists."""
     from infra.layout import check_run_id
 
     check_run_id(spec.name)  # the lineage's run id (continue) or its prefix (fresh)
-    secret = [o for o in spec.overrides if o.partition("=")[0].strip() in SECRET_KEYS]
-    if secret:
-        raise ConfigError(f"{secret[0].partition('=')[0]} would be stored in the deployment's parameters: set "
-                          "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in the environment of `rlflow serve`")
+    refuse_stored_secrets(spec.overrides)
     if (spec.cron is None) == (spec.interval_s is None):
         raise ConfigError("give one schedule: --cron EXPR or --interval SECONDS")
     cfg = load_config(spec.config_path, spec.overrides)

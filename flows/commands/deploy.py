@@ -40,11 +40,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _deploy(args: argparse.Namespace) -> int:
     from flows.config import load_config
-    from flows.deploy import FLOW_NAME, DeploySpec, check_spec, deploy
+    from flows.deploy import FLOW_NAME, DeploySpec, check_spec, deploy, refuse_stored_secrets
     from infra.config import StackConfig
     from infra.stack import apply_connect_env, ensure_stack
 
     path, overrides = split_config_args(args.args)
+    refuse_stored_secrets(overrides)
     cfg = load_config(path, overrides)
     spec = DeploySpec(
         name=args.name or cfg.trainer.run_id or cfg.trainer.project,
