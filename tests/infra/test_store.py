@@ -340,3 +340,21 @@ def test_max_concurrency_from_the_config(tmp_path) -> None:  # noqa: ANN001
         return len(seen)
 
     assert threads(1) == 1 and threads(8) >= 2
+
+
+def test_retries_come_from_the_config(caplog: pytest.LogCaptureFixture) -> None:
+    """storage.retry_attempts and storage.retry_max_wait_s: the tries of a transient failure (a refused
+    connection) and the cap of each backoff wait, as the store's warnings and its error report them."""
+    def fail(**settings: object) -> tuple[str, list[str]]:
+        cfg = StorageConfig(root="s3://rlflow-test/retries", endpoint_url="http://127.0.0.1:9", access_key_id="k",
+                            secret_access_key="s", **settings)  # type: ignore[arg-type]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="rlflow"), pytest.raises(StoreUnavailable) as info:
+            ObjectStore.from_config(cfg).put_bytes("k", b"1")
+        return str(info.value), [r.getMessage().rsplit(" in ", 1)[1] for r in caplog.records if "retry" in r.getMessage()]
+
+    error, waits = fail(retry_attempts=3)
+    assert "failed after 3 tries" in error and len(waits) == 2 and waits[1] != "0.0s", waits  # 0.2-0.4 s
+    error, waits = fail(retry_attempts=3, retry_max_wait_s=0.01)
+    assert "failed after 3 tries" in error and waits == ["0.0s", "0.0s"], waits
+    assert "failed after 2 tries" in fail(retry_attempts=2)[0]
