@@ -42,7 +42,6 @@ from flows.config import RLConfig, load_config
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
-REWARD = f"reward.function={HERE / 'rewards.py'}:digit_share"
 
 # One iteration of 2 prompts x 4 responses on one rank, two optimizer steps (Adam's betas act from the
 # second), no validation and no export unless a field asks for them.
