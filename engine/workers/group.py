@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine.batch import Batch
@@ -151,10 +151,7 @@ class WorkerGroup:
                 ray.kill(actor, no_restart=True)
             except Exception:  # already dead
                 pass
-        try:
-            remove_placement_group(ray.util.get_placement_group(f"{self.run_id}/{self.role}/pg"))
-        except Exception:  # already removed
-            pass
+        remove_placement_groups(self.run_id, self.role)
 
     # -- dispatch ----------------------------------------------------------------------------------
     def call(self, method: str, *args: Any, mode: Dispatch = "one_to_all", timeout_s: float | None = None,
@@ -218,8 +215,37 @@ def engine_namespaces() -> dict[str, list[str]]:
     return {run: sorted(spaces) for run, spaces in sorted(found.items())}
 
 
+def engine_placement_groups() -> dict[str, list[str]]:
+    """{run_id: [roles]} of the engines' placement groups alive on the cluster, in every namespace: a
+    group whose ranks all died (a killed rank of a one-rank engine) still holds its CPUs."""
+    found: dict[str, set[str]] = {}
+    for entry in ray.util.placement_group_table().values():
+        parts = (entry.get("name") or "").split("/")
+        if entry.get("state") != "REMOVED" and len(parts) == 3 and parts[2] == "pg":
+            found.setdefault(parts[0], set()).add(parts[1])
+    return {run: sorted(roles) for run, roles in sorted(found.items())}
+
+
+def remove_placement_groups(run_id: str, role: str | None = None) -> list[str]:
+    """Remove `run_id`'s placement groups (one role's, or all), found by name in the cluster's table: in
+    whichever Ray namespace the run created them (a lookup by name sees this driver's namespace only).
+    Returns the roles whose group was removed."""
+    removed = []
+    for pg_id, entry in ray.util.placement_group_table().items():
+        parts = (entry.get("name") or "").split("/")
+        if (entry.get("state") != "REMOVED" and len(parts) == 3 and parts[0] == run_id and parts[2] == "pg"
+                and role in (None, parts[1])):
+            try:
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+            except Exception:  # removed meanwhile
+                continue
+            removed.append(parts[1])
+    return sorted(removed)
+
+
 def stop_engine(run_id: str, namespace: str = NAMESPACE) -> list[str]:
-    """Kill every rank actor of `run_id` and its placement groups; returns the roles stopped."""
+    """Kill every rank actor of `run_id` and its placement groups (those of ranks already dead too);
+    returns the roles stopped."""
     roles = list_engines(namespace).get(run_id, {})
     for role, ranks in roles.items():
         actors = []
@@ -229,7 +255,7 @@ def stop_engine(run_id: str, namespace: str = NAMESPACE) -> list[str]:
             except ValueError:
                 continue
         WorkerGroup(run_id, role, actors, namespace=namespace).stop()
-    return sorted(roles)
+    return sorted(set(roles) | set(remove_placement_groups(run_id)))
 
 
 def _gather(refs: list[Any], method: str, timeout_s: float, setting: str = "trainer.stage_timeout_s") -> list[Any]:

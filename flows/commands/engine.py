@@ -55,6 +55,9 @@ def _list(args: argparse.Namespace) -> int:
 
     connect(args.address)
     spaces = engine_namespaces()
+    for run_id, roles in _leftovers(spaces).items():
+        print(f"{run_id}: placement group(s) of {', '.join(roles)} without a live rank hold CPUs "
+              f"(`rlflow engine stop {run_id}` frees them)")
     if not spaces:
         print("no live engines")
         return 0
@@ -71,6 +74,16 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _leftovers(spaces: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Placement groups of runs without a live rank in that role: CPUs held for nothing."""
+    from engine.workers.group import engine_placement_groups, list_engines
+
+    live = {(run_id, role) for ns in {n for found in spaces.values() for n in found}
+            for run_id, roles in list_engines(ns).items() for role in roles}
+    return {run_id: [r for r in roles if (run_id, r) not in live]
+            for run_id, roles in engine_placement_groups().items() if any((run_id, r) not in live for r in roles)}
+
+
 def _rank_nodes(run_id: str, role: str, namespace: str) -> str:
     """The Ray node (first 12 hex digits of its id) each rank runs on, or why it is not known."""
     from engine.errors import EngineError
@@ -85,14 +98,22 @@ def _rank_nodes(run_id: str, role: str, namespace: str) -> str:
 
 def _stop(args: argparse.Namespace) -> int:
     from engine.errors import EngineError
-    from engine.workers.group import check_run_id, engine_namespaces, stop_engine
+    from engine.workers.group import (
+        NAMESPACE,
+        check_run_id,
+        engine_namespaces,
+        engine_placement_groups,
+        stop_engine,
+    )
 
     if bool(args.run_id) == args.all:
         raise EngineError("rlflow engine stop: give a run id or --all (not both)")
     connect(args.address)
     spaces = engine_namespaces()  # every namespace: a run's ray.namespace is not known here
+    for run_id in engine_placement_groups():  # a run whose ranks are all dead still holds its CPUs
+        spaces.setdefault(run_id, [NAMESPACE])
     if args.all:
-        for run_id, namespaces in spaces.items():
+        for run_id, namespaces in sorted(spaces.items()):
             roles = sorted({role for ns in namespaces for role in stop_engine(run_id, ns)})
             print(f"stopped {run_id}: {', '.join(roles)}")
         if not spaces:
