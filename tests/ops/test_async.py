@@ -55,10 +55,11 @@ def assert_equal_weights(got: dict, want: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(warm_cli: WarmCli, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """An uninterrupted asynchronous run (k = 1)."""
+def reference(cli: Cli, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """An uninterrupted asynchronous run (k = 1), in its own process: in the warm CLI its rollout of
+    iteration i+1 was once seen not to start before the update of i ended (a fresh-clone run of a3142bf)."""
     root = tmp_path_factory.mktemp("async-reference")
-    proc = warm_cli("train", *args(tiny_model_dir, root, "async-ref", *SPLIT, "trainer.max_staleness=1"))
+    proc = cli("train", *args(tiny_model_dir, root, "async-ref", *SPLIT, "trainer.max_staleness=1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {"root": root, "weights": weights(root, "async-ref"), "metrics": metrics(root, "async-ref")}
 
