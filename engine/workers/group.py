@@ -215,31 +215,37 @@ def engine_namespaces() -> dict[str, list[str]]:
     return {run: sorted(spaces) for run, spaces in sorted(found.items())}
 
 
+def _engine_pgs() -> list[tuple[str, str, str]]:
+    """(placement group id, run id, role) of every engine placement group alive on the cluster, in every
+    Ray namespace (the cluster's table: a lookup by name sees this driver's namespace only)."""
+    found = []
+    for pg_id, entry in ray.util.placement_group_table().items():
+        parts = (entry.get("name") or "").split("/")
+        if entry.get("state") != "REMOVED" and len(parts) == 3 and parts[2] == "pg":
+            found.append((pg_id, parts[0], parts[1]))
+    return found
+
+
 def engine_placement_groups() -> dict[str, list[str]]:
     """{run_id: [roles]} of the engines' placement groups alive on the cluster, in every namespace: a
     group whose ranks all died (a killed rank of a one-rank engine) still holds its CPUs."""
     found: dict[str, set[str]] = {}
-    for entry in ray.util.placement_group_table().values():
-        parts = (entry.get("name") or "").split("/")
-        if entry.get("state") != "REMOVED" and len(parts) == 3 and parts[2] == "pg":
-            found.setdefault(parts[0], set()).add(parts[1])
+    for _, run_id, role in _engine_pgs():
+        found.setdefault(run_id, set()).add(role)
     return {run: sorted(roles) for run, roles in sorted(found.items())}
 
 
 def remove_placement_groups(run_id: str, role: str | None = None) -> list[str]:
-    """Remove `run_id`'s placement groups (one role's, or all), found by name in the cluster's table: in
-    whichever Ray namespace the run created them (a lookup by name sees this driver's namespace only).
-    Returns the roles whose group was removed."""
+    """Remove `run_id`'s placement groups (one role's, or all), in whichever namespace the run created
+    them. Returns the roles whose group was removed."""
     removed = []
-    for pg_id, entry in ray.util.placement_group_table().items():
-        parts = (entry.get("name") or "").split("/")
-        if (entry.get("state") != "REMOVED" and len(parts) == 3 and parts[0] == run_id and parts[2] == "pg"
-                and role in (None, parts[1])):
+    for pg_id, run, pg_role in _engine_pgs():
+        if run == run_id and role in (None, pg_role):
             try:
                 remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
             except Exception:  # removed meanwhile
                 continue
-            removed.append(parts[1])
+            removed.append(pg_role)
     return sorted(removed)
 
 
