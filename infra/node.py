@@ -20,11 +20,19 @@ import argparse
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from typing import Any
 
 READY_LINE = "rlflow node ready"
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 now (the stack's services and a node's agents take theirs here)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,9 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     from ray._private.node import Node
     from ray._private.parameter import RayParams
 
-    from infra.stack import _free_port  # here: infra.stack imports this module
-
-    ports: dict[str, Any] = {name: _free_port() for name in (
+    ports: dict[str, Any] = {name: free_port() for name in (
         "node_manager_port", "object_manager_port", "metrics_agent_port", "metrics_export_port",
         "dashboard_agent_listen_port", "runtime_env_agent_port")}
     settings: dict[str, Any] = {  # include_log_monitor=False as ray.cluster_utils passes it (one per machine)

@@ -79,7 +79,7 @@ from typing import Literal
 
 from infra.config import RayConfig, StackConfig
 from infra.errors import InfraError
-from infra.node import READY_LINE
+from infra.node import READY_LINE, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -443,7 +443,7 @@ class LocalStack:
             # log files ten times a second to publish lines nobody subscribes to.
             "--include-log-monitor=false",
             # Not the shared default 10001: Ray client (ray://) connections must not reach another head.
-            f"--ray-client-server-port={_free_port()}",
+            f"--ray-client-server-port={free_port()}",
         ]  # fmt: skip
         return cmd, env
 
@@ -802,12 +802,6 @@ def _port_taken(port: int) -> bool:
         except OSError:
             return True
     return False
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
 
 
 def _env_without(prefixes: tuple[str, ...]) -> dict[str, str]:

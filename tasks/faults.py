@@ -6,12 +6,21 @@ resumed flow run (a new process) sees how many times the stage has failed before
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
-    from tasks.context import StageContext
+    from infra.runs import RunStore
+    from infra.store import ObjectStore
+
+
+class StageContext(Protocol):
+    """What the faults read of a stage's context (tasks.context.StageContext, which imports this module)."""
+
+    plan: Any  # tasks.context.RunPlan, whose `debug` is a FaultConfig
+    runs: RunStore
+    store: ObjectStore
 
 
 class FaultConfig(BaseModel):
