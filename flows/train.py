@@ -32,10 +32,10 @@ from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY
 from prefect_ray.context import remote_options
 
 from engine.advantage import make_kl_controller
-from engine.checkpoint_io import CheckpointCorruptError
 from engine.cpu_kernels import kernel_env
 from engine.engine import Engine
 from engine.errors import ConfigError, EngineDeadError, EngineHungError, VersionMismatchError
+from engine.state.checkpoint_io import CheckpointCorruptError
 from flows import pipeline, progress, report, trace
 from flows.config import RLConfig
 from flows.loggers import MetricLoggers, require_packages, run_log_dir

@@ -17,7 +17,7 @@ point before the MANIFEST write leaves the previous committed step as the latest
 ignored, and removed by the next `begin` of that step or by retention.
 
 Hashing costs no extra pass over the data: the engine's ranks hash what they write
-(engine/checkpoint_io.py) and hand the records to `commit`; the store's own writers (`write_bytes`,
+(engine/state/checkpoint_io.py) and hand the records to `commit`; the store's own writers (`write_bytes`,
 `put_file`, `put_dir`) hash while uploading, on a second thread, and leave a small record
 (`.sha256/<random>.json`: path, size, sha256 of the files of that call; one per call, so writers never
 collide) that `commit` collects. Only a file without a record of its size is read back and hashed at

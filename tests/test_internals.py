@@ -66,17 +66,17 @@ def test_torch_dcp_fsspec_filesystem() -> None:
 
     for name in ("FsspecWriter", "FsspecReader"):
         assert hasattr(_fsspec_filesystem, name), moved("torch", f"dcp._fsspec_filesystem.{name}",
-                                                        "engine/checkpoint_io.py")
+                                                        "engine/state/checkpoint_io.py")
 
 
 def test_torch_dcp_nested_dict_set_element() -> None:
     from torch.distributed.checkpoint import _nested_dict
 
     assert callable(getattr(_nested_dict, "set_element", None)), \
-        moved("torch", "dcp._nested_dict.set_element", "engine/checkpoint_io.py")
+        moved("torch", "dcp._nested_dict.set_element", "engine/state/checkpoint_io.py")
     target: dict = {"a": {"b": 0}}
     _nested_dict.set_element(target, ("a", "b"), 1)
-    assert target == {"a": {"b": 1}}, moved("torch", "set_element(root, path, value)", "engine/checkpoint_io.py")
+    assert target == {"a": {"b": 1}}, moved("torch", "set_element(root, path, value)", "engine/state/checkpoint_io.py")
 
 
 def test_torch_dcp_reader_and_planner_attributes(tmp_path) -> None:
@@ -85,13 +85,13 @@ def test_torch_dcp_reader_and_planner_attributes(tmp_path) -> None:
 
     reader = dcp.FileSystemReader(str(tmp_path))
     for name in ("fs", "path", "load_id"):
-        assert hasattr(reader, name), moved("torch", f"FileSystemReader.{name}", "engine/checkpoint_io.py")
+        assert hasattr(reader, name), moved("torch", f"FileSystemReader.{name}", "engine/state/checkpoint_io.py")
     for name in ("create_stream", "concat_path", "rename"):
         assert callable(getattr(reader.fs, name, None)), moved("torch", f"dcp FileSystem.{name}",
-                                                               "engine/checkpoint_io.py")
+                                                               "engine/state/checkpoint_io.py")
     source = inspect.getsource(DefaultLoadPlanner.load_bytes)
     for name in ("flatten_state_dict", "mappings", "original_state_dict"):
-        assert name in source, moved("torch", f"DefaultLoadPlanner.{name} in load_bytes", "engine/checkpoint_io.py")
+        assert name in source, moved("torch", f"DefaultLoadPlanner.{name} in load_bytes", "engine/state/checkpoint_io.py")
 
 
 def test_torch_dcp_metadata_classes_are_allowed(tmp_path) -> None:
@@ -101,7 +101,7 @@ def test_torch_dcp_metadata_classes_are_allowed(tmp_path) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from engine.checkpoint_io import _MetadataUnpickler
+    from engine.state.checkpoint_io import _MetadataUnpickler
 
     model = torch.nn.Linear(3, 2)
     optim = torch.optim.AdamW(model.parameters())
@@ -114,7 +114,7 @@ def test_torch_dcp_metadata_classes_are_allowed(tmp_path) -> None:
         try:
             _MetadataUnpickler(f).load()
         except Exception as err:  # noqa: BLE001
-            pytest.fail(moved("torch", f"the classes of DCP's .metadata ({err})", "engine/checkpoint_io.py"))
+            pytest.fail(moved("torch", f"the classes of DCP's .metadata ({err})", "engine/state/checkpoint_io.py"))
 
 
 def test_torch_fsdp2_collective_names() -> None:

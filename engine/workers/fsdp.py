@@ -22,9 +22,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from engine import algos, checkpoint_io
+from engine import algos
 from engine.batch import Batch, response_lengths
 from engine.config import OptimConfig
+from engine.state import checkpoint_io
 
 
 def shard_model(model: nn.Module, reshard_after_forward: bool = True, mixed_precision: str = "none",

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from engine import algos, lora, weight_sync
+from engine import algos, lora
 from engine.batch import Batch
 from engine.config import RolloutConfig
 from engine.models import (
@@ -42,6 +42,7 @@ from engine.multi_turn import generate_multi_turn
 from engine.reward_model import RewardModelScorer, prompts_of
 from engine.rollout import SamplingParams, make_rollout
 from engine.seeds import derive_seed
+from engine.state import weight_sync
 from engine.tools import load_tools, observation_renderer
 from engine.workers import fsdp
 from engine.workers.base import RankWorker, traced

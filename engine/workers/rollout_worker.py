@@ -1,7 +1,7 @@
 """RolloutWorker: a rank of the rollout pool (placement.mode=split). It only generates.
 
 It holds an unsharded copy of the policy (LoRA: the base with the actor's adapters, unmerged) and gets
-new weights from the training pool after updates, over the sync group (engine.weight_sync); its
+new weights from the training pool after updates, over the sync group (engine.state.weight_sync); its
 `version` is the version of the weights it holds, set only when all of them have arrived. While the
 training pool updates, this pool can generate the next rollout (trainer.max_staleness >= 1).
 """
@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
-from engine import lora, weight_sync
+from engine import lora
 from engine.batch import Batch
 from engine.models import dropout_left, empty_model, load_model, load_tokenizer, stop_token_ids
 from engine.rollout import make_rollout
+from engine.state import weight_sync
 from engine.tools import load_tools, observation_renderer
 from engine.workers.base import RankWorker, traced
 from engine.workers.policy import PolicySpec, generate_batch, vllm_engine

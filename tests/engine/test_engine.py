@@ -406,7 +406,7 @@ def test_a_shard_only_one_rank_reads_is_reported_corrupt_by_every_rank(scratch_e
 
     import ray
 
-    from engine.checkpoint_io import CheckpointCorruptError
+    from engine.state.checkpoint_io import CheckpointCorruptError
 
     url = tmp_path / "ckpt"
     records = scratch_engine.save(str(url))

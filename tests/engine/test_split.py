@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import weight_sync
 from engine.engine import Engine, EngineSpec, check_fits
 from engine.errors import ConfigError, EngineError
+from engine.state import weight_sync
 from engine.workers.group import list_engines
 from tests.engine.test_engine import make_spec, prompts
 from tests.engine.test_lora import LORA

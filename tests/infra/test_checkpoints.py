@@ -1,4 +1,4 @@
-"""Checkpoints on both backends: a rank's DCP save into the staging location (engine/checkpoint_io.py,
+"""Checkpoints on both backends: a rank's DCP save into the staging location (engine/state/checkpoint_io.py,
 hashed while written), commit, verified restore and fetch, fallback, retention, no unpickling."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import checkpoint_io
+from engine.state import checkpoint_io
 from infra.checkpoints import HASH_DIR, CheckpointFallbackWarning, CheckpointStore
 from infra.errors import IntegrityError, ObjectNotFound, StoreError
 from infra.store import ObjectStore
@@ -313,7 +313,7 @@ def test_a_base_checkpoint_is_read_with_the_safe_reader(tiny_model_dir: Path, tm
 
 def test_every_checkpoint_read_goes_through_the_safe_reader() -> None:
     """In the project's code (engine, flows, infra, tasks, bench): DCP readers, DCP loads, unpicklers and
-    pickle loads exist only in engine/checkpoint_io.py (its allow-listed reader and planner), and every
+    pickle loads exist only in engine/state/checkpoint_io.py (its allow-listed reader and planner), and every
     torch.load passes weights_only=True."""
     import ast
 
@@ -334,7 +334,7 @@ def test_every_checkpoint_read_goes_through_the_safe_reader() -> None:
                             and weights_only[0].value.value is True):
                         found.append(f"{rel}:{node.lineno} {name} without weights_only=True")
                 elif (last in readers or name in ("dcp.load", "pickle.load", "pickle.loads")
-                      or name.endswith("checkpoint.load")) and rel != "engine/checkpoint_io.py":
+                      or name.endswith("checkpoint.load")) and rel != "engine/state/checkpoint_io.py":
                     found.append(f"{rel}:{node.lineno} {name}")
     assert not found, found
 
