@@ -98,7 +98,7 @@ def load_prompts(
 ) -> PromptDataset:
     """Load, validate and concatenate `files`; with `max_prompt_length`, drop the prompts over it
     (truncation "drop") or refuse them ("error"); "left" and "right" keep every prompt, which the
-    encoding cuts (engine.models.encode_prompts).
+    encoding cuts (engine.models.tokens.encode_prompts).
 
     `length_fn` counts the tokens of a prompt's chat messages (the tokenizer's chat template applied);
     it is required when `max_prompt_length` is set.
@@ -385,10 +385,10 @@ def ensure_synthetic_data(
 ) -> tuple[Path, Path]:
     """The train and validation parquet files of a synthetic task, written on first use, then reused.
 
-    The file names carry (task, size, seed) and the generator's source (engine.models.source_digest), so
+    The file names carry (task, size, seed) and the generator's source (engine.models.loading.source_digest), so
     a run with other settings, or after an edit to the generator, never reuses stale files.
     """
-    from engine.models import source_digest
+    from engine.models.loading import source_digest
 
     out = Path(out_dir)
     digest = source_digest(Path(synthetic.__file__))

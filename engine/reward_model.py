@@ -36,9 +36,9 @@ import torch.nn.functional as F
 from pydantic import BaseModel, Field
 
 from engine.errors import ConfigError, RLFlowError
-from engine.models import (
+from engine.models.loading import (
     ModelLoadError,
-    _first_line,
+    first_line,
     hub_offline,
     load_tokenizer,
     torch_dtype,
@@ -70,7 +70,7 @@ def check_reward_model(path: str, trust_remote_code: bool = False) -> None:
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=local)
     except (OSError, ValueError) as err:
-        raise ConfigError(f"reward.model.path={path!r}: cannot read its config: {_first_line(err)}") from err
+        raise ConfigError(f"reward.model.path={path!r}: cannot read its config: {first_line(err)}") from err
     archs = list(getattr(config, "architectures", None) or [])
     if not any(a.endswith("ForSequenceClassification") for a in archs):
         raise ConfigError(f"reward.model.path={path!r} is {', '.join(archs) or 'a model without architectures'}, "
@@ -93,7 +93,7 @@ def load_reward_model(spec: RewardModelSpec) -> Any:
             spec.path, config=without_dropout(config), dtype=torch_dtype(spec.dtype),
             trust_remote_code=spec.trust_remote_code, local_files_only=local)
     except (OSError, ValueError) as err:
-        raise ModelLoadError(f"cannot load the reward model from {spec.path!r}: {_first_line(err)}") from err
+        raise ModelLoadError(f"cannot load the reward model from {spec.path!r}: {first_line(err)}") from err
     zero_dropout(model)
     model.requires_grad_(False)
     return model.eval()
@@ -226,7 +226,7 @@ def candidate_response(rng: random.Random, prompt_digits: str, truth: str) -> st
 def policy_samples(policy: Any, tokenizer: Any, rows: list[dict[str, Any]], n: int, max_new_tokens: int = 16
                    ) -> list[list[str]]:
     """`n` sampled responses (temperature 1) of the policy to each row's prompt, as text."""
-    from engine.models import decode_responses, encode_prompts
+    from engine.models.tokens import decode_responses, encode_prompts
 
     out = []
     for start in range(0, len(rows), 128):
@@ -273,7 +273,7 @@ def build_tiny_rm(out_dir: str | Path, task: str = "sort", seed: int = 0, steps:
     pairs drawn from the policy's own samples and synthetic candidates."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from engine.models import load_model
+    from engine.models.loading import load_model
     from engine.tiny import (
         BUILD_THREADS,
         _portable_tokenizer_class,

@@ -51,19 +51,12 @@ from transformers import (
 
 from engine.cpu_kernels import AVX2_ENV, kernel_tag, pinned_here
 from engine.errors import ConfigError, RLFlowError
-from engine.models import (
-    cache_dir,
-    decode_responses,
-    encode_prompts,
-    load_model,
-    load_tokenizer,
-    prompt_text,
-    source_digest,
-)
+from engine.models.loading import cache_dir, load_model, load_tokenizer, source_digest
+from engine.models.tokens import decode_responses, encode_prompts, prompt_text
 from engine.synthetic import TASKS, make_rows, solution_text
 
 # What a cached build's name carries of the code that made it: the builder's own source and the
-# libraries' versions (engine.models.source_digest), so an edited builder never reuses an old build.
+# libraries' versions (engine.models.loading.source_digest), so an edited builder never reuses an old build.
 BUILDER_FILES = ("tiny.py", "synthetic.py")
 REPORT_FILE = "rlflow_tiny.json"
 

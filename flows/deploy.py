@@ -196,7 +196,7 @@ def base_model_dir(base: BaseCheckpoint, store: ObjectStore, trust_remote_code: 
     """The policy weights of `base` as a Hugging Face model folder (made once, cached): the new run's
     model, so its actor, rollout copy and reference all start there; its optimizer starts afresh.
     `trust_remote_code`: the launching config's (never the base run's run.json)."""
-    from engine.models import cache_dir
+    from engine.models.loading import cache_dir
 
     digest = hashlib.sha256(base.url.encode()).hexdigest()[:10]
     out = cache_dir() / "base" / f"{base.run_id}-step_{base.step:06d}-{digest}"
@@ -216,7 +216,7 @@ def base_model_dir(base: BaseCheckpoint, store: ObjectStore, trust_remote_code: 
 def _export_policy(base: BaseCheckpoint, store: ObjectStore, tmp: Path, trust_remote_code: bool) -> None:
     """Verify and fetch the step, load its policy shards into the parent's model, save_pretrained."""
     from engine.cpu_kernels import kernel_env
-    from engine.models import load_model, load_tokenizer, resolve_model_path, resolve_tokenizer_path
+    from engine.models.loading import load_model, load_tokenizer, resolve_model_path, resolve_tokenizer_path
     from engine.state.checkpoint_io import load_state
 
     parent = build_config(RunStore(store, base.run_id).read_run_info()["config"])
@@ -230,7 +230,7 @@ def _export_policy(base: BaseCheckpoint, store: ObjectStore, tmp: Path, trust_re
                        trust_remote_code=trust_remote_code)
     wrapped = None
     if parent.actor.lora.enabled:  # an adapter-only checkpoint: its adapters, merged into the parent's base
-        from engine.lora import adapter_names, apply_lora
+        from engine.models.lora import adapter_names, apply_lora
 
         model, wrapped = apply_lora(model, parent.actor.lora, task="CAUSAL_LM", what="actor.lora")
         trainable = set(adapter_names(model))

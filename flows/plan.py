@@ -65,7 +65,7 @@ class CheckedInputs:
     train: PromptDataset
     val: PromptDataset | None
     engine: EngineSpec
-    base_model: dict[str, Any]  # engine.models.model_identity of the policy's model
+    base_model: dict[str, Any]  # engine.models.loading.model_identity of the policy's model
 
 
 def new_run_id(cfg: RLConfig) -> str:
@@ -144,15 +144,15 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
     and stage list, and the reward on a few real rows. `rlflow train` calls it before the stack starts;
     `open_run` calls it again (a deployment's run comes without the CLI)."""
     from engine.data import load_train_val
-    from engine.models import (
+    from engine.models.loading import (
         cache_dir,
         load_tokenizer,
         model_identity,
-        prompt_lengths,
         resolve_model_path,
         resolve_reward_model_path,
         resolve_tokenizer_path,
     )
+    from engine.models.tokens import prompt_lengths
     from engine.tools import describe, load_tools
     from flows.algorithms import stages_for
 
@@ -245,8 +245,8 @@ def check_lora(cfg: RLConfig, model_path: str) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
-    from engine import lora
-    from engine.models import without_dropout
+    from engine.models import lora
+    from engine.models.loading import without_dropout
 
     for role, section, auto, task in (("actor", cfg.actor, AutoModelForCausalLM, "CAUSAL_LM"),
                                       ("critic", cfg.critic, AutoModelForTokenClassification, "TOKEN_CLS")):
@@ -352,7 +352,7 @@ def check_stage_timeouts(cfg: RLConfig) -> None:
 def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str) -> EngineSpec:
     """The engine of this run: policy (+ ref when a KL term is on) and, for PPO, a critic."""
     from engine.engine import EngineSpec
-    from engine.models import resolve_reward_model_path
+    from engine.models.loading import resolve_reward_model_path
     from engine.reward_model import RewardModelSpec
     from engine.workers.specs import CriticSpec, PolicySpec
 

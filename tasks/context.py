@@ -18,7 +18,8 @@ from engine.batch import Batch
 from engine.config import AlgorithmConfig, DataConfig, RewardConfig, RolloutConfig
 from engine.data import PromptDataset, load_prompts
 from engine.engine import Engine, EngineSpec
-from engine.models import encode_prompts, load_tokenizer, prompt_lengths
+from engine.models.loading import load_tokenizer
+from engine.models.tokens import encode_prompts, prompt_lengths
 from engine.sampler import PromptSampler
 from engine.tools import describe, load_tools
 from infra.checkpoints import CheckpointStore

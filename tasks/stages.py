@@ -28,7 +28,7 @@ from engine.algos import last_index, update_multiplier
 from engine.batch import Batch, response_lengths
 from engine.config import RewardConfig
 from engine.errors import EngineDeadError, RewardError, VersionMismatchError
-from engine.models import response_texts
+from engine.models.tokens import response_texts
 from engine.rewards import score_batch
 from engine.rewards.shaping import overlong_penalty
 from infra.buffers import BufferRef, load_ref, read_buffer, write_buffer

@@ -171,7 +171,7 @@ def test_device_auto_resolves_and_what_is_not_built_is_refused(monkeypatch: pyte
     import torch
 
     from engine.config import ModelConfig
-    from engine.models import resolve_model_path
+    from engine.models.loading import resolve_model_path
     from flows.plan import engine_spec, resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from engine.models import cache_argument, positions
+from engine.models.tokens import cache_argument, positions
 from engine.rollout.base import RolloutOutput, SamplingParams, response_mask_until_eos
 
 

@@ -7,9 +7,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine import algos, lora
+from engine import algos
 from engine.batch import Batch
-from engine.models import dropout_left, load_value_model, packed_inputs, positions
+from engine.models import lora
+from engine.models.loading import dropout_left, load_value_model
+from engine.models.tokens import packed_inputs, positions
 from engine.seeds import derive_seed
 from engine.workers import fsdp
 from engine.workers.base import RankWorker, traced

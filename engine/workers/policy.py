@@ -26,18 +26,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from engine import algos, lora
+from engine import algos
 from engine.batch import Batch
 from engine.config import RolloutConfig
-from engine.models import (
-    cache_argument,
-    dropout_left,
-    load_model,
-    load_tokenizer,
-    packed_inputs,
-    positions,
-    stop_token_ids,
-)
+from engine.models import lora
+from engine.models.loading import dropout_left, load_model, load_tokenizer
+from engine.models.tokens import cache_argument, packed_inputs, positions, stop_token_ids
 from engine.multi_turn import generate_multi_turn
 from engine.reward_model import RewardModelScorer, prompts_of
 from engine.rollout import SamplingParams, make_rollout
@@ -83,7 +77,7 @@ class PolicyWorker(RankWorker):
             self.rollout_model = copy.deepcopy(base)  # unsharded, generation only
             if spec.actor.mixed_precision == "bf16":  # generate with the precision the actor computes in
                 self.rollout_model.to(torch.bfloat16)
-        # Every model is loaded without dropout (engine.models): train mode changes nothing but autograd.
+        # Every model is loaded without dropout (engine.models.loading): train mode changes nothing but autograd.
         self.actor = fsdp.shard_model(base, **fsdp.shard_options(spec.actor))
         self.optimizer = fsdp.build_optimizer(self.actor, spec.actor)
         self.scheduler = fsdp.build_scheduler(self.optimizer, spec.actor, spec.total_iterations)
@@ -420,7 +414,7 @@ class PolicyWorker(RankWorker):
         return fsdp.full_state_dict_rank0(self.actor)
 
     def dropout_left(self) -> dict[str, list[str]]:
-        """Where each model of this rank would still drop anything (engine.models.dropout_left): empty lists."""
+        """Where each model of this rank would still drop anything (engine.models.loading.dropout_left): empty lists."""
         models = {"actor": self.actor, "rollout copy": self.rollout_model, "ref": self.ref}
         return {name: dropout_left(m) for name, m in models.items() if m is not None}
 

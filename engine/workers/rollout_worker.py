@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 
-from engine import lora
 from engine.batch import Batch
-from engine.models import dropout_left, empty_model, load_model, load_tokenizer, stop_token_ids
+from engine.models import lora
+from engine.models.loading import dropout_left, empty_model, load_model, load_tokenizer
+from engine.models.tokens import stop_token_ids
 from engine.rollout import make_rollout
 from engine.state import weight_sync
 from engine.tools import load_tools, observation_renderer

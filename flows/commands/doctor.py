@@ -364,7 +364,7 @@ def _remove_empty(path: str) -> None:
 
 def check_model_cache(required: bool) -> Check:
     """The folder where the tiny model is built and cached ($RLFLOW_CACHE) can be written."""
-    from engine.models import cache_dir
+    from engine.models.loading import cache_dir
 
     folder = cache_dir()
     try:

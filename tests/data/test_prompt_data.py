@@ -305,7 +305,8 @@ def test_truncation_error_names_the_first_long_row(tmp_path: Path) -> None:
 
 def test_truncation_left_and_right_cut_the_encoded_prompt(tmp_path: Path) -> None:
     """left keeps the last tokens (the end of the conversation and the generation prompt), right the first."""
-    from engine.models import encode_prompts, load_tokenizer
+    from engine.models.loading import load_tokenizer
+    from engine.models.tokens import encode_prompts
     from engine.tiny import build_tokenizer
 
     tok = build_tokenizer()

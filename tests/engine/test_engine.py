@@ -15,7 +15,8 @@ from engine.batch import Batch
 from engine.config import ActorConfig, CriticConfig, RolloutConfig
 from engine.engine import Engine, EngineSpec
 from engine.errors import EngineDeadError, EngineError, EngineHungError, VersionMismatchError
-from engine.models import encode_prompts, load_tokenizer
+from engine.models.loading import load_tokenizer
+from engine.models.tokens import encode_prompts
 from engine.synthetic import make_rows
 from engine.workers.critic import CriticSpec
 from engine.workers.group import list_engines

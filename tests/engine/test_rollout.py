@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from engine.models import encode_prompts, load_model, load_tokenizer, stop_token_ids
+from engine.models.loading import load_model, load_tokenizer
+from engine.models.tokens import encode_prompts, stop_token_ids
 from engine.rollout import HFRollout, SamplingParams, sample_next
 from engine.synthetic import make_rows
 

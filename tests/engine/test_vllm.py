@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from engine.config import VllmConfig
-from engine.models import encode_prompts, load_model, load_tokenizer, positions, stop_token_ids
+from engine.models.loading import load_model, load_tokenizer
+from engine.models.tokens import encode_prompts, positions, stop_token_ids
 from engine.rollout import HFRollout, SamplingParams, make_rollout, sampling_logits
 from engine.synthetic import make_rows
 

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import lora
 from engine.config import RolloutConfig, VllmConfig
 from engine.engine import Engine
-from engine.models import load_model, load_tokenizer, stop_token_ids
+from engine.models import lora
+from engine.models.loading import load_model, load_tokenizer
+from engine.models.tokens import stop_token_ids
 from engine.rollout import HFRollout, SamplingParams
 from tests.engine.test_engine import make_spec, prompts
 from tests.engine.test_lora import LORA

@@ -17,18 +17,15 @@ from engine import tiny
 from engine.config import ModelConfig
 from engine.cpu_kernels import AVX2_ENV, has_avx2, kernel_env, kernel_tag
 from engine.errors import ConfigError
-from engine.models import (
+from engine.models.loading import (
     ModelLoadError,
-    decode_responses,
-    encode_prompts,
     load_model,
     load_model_and_tokenizer,
     load_tokenizer,
     prepare_tokenizer,
-    prompt_lengths,
-    prompt_text,
     resolve_model_path,
 )
+from engine.models.tokens import decode_responses, encode_prompts, prompt_lengths, prompt_text
 
 CHAT = [{"role": "user", "content": "12+345="}]
 
@@ -364,7 +361,7 @@ def test_models_load_without_dropout_and_train_mode_is_repeatable(tmp_path: Path
     head's default classifier dropout 0.1: every model the engine loads drops nothing."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    from engine.models import dropout_left, load_value_model
+    from engine.models.loading import dropout_left, load_value_model
 
     if family == "gpt2":
         GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=40, n_positions=32,

@@ -79,7 +79,7 @@ def test_calculator() -> None:
 
 
 def test_the_tools_reach_a_chat_template_that_renders_them() -> None:
-    from engine.models import encode_prompts, prompt_lengths, prompt_text
+    from engine.models.tokens import encode_prompts, prompt_lengths, prompt_text
     from engine.tiny import build_tokenizer
     from engine.tools import describe
 
@@ -227,7 +227,7 @@ def test_a_llama31_multi_turn_response_is_the_templates_conversation_and_the_rew
 
     from engine.batch import Batch
     from engine.config import RolloutConfig
-    from engine.models import encode_prompts, response_texts
+    from engine.models.tokens import encode_prompts, response_texts
     from engine.multi_turn import generate_multi_turn
 
     tok = _tokenizer("llama")
