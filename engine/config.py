@@ -63,11 +63,11 @@ class DataConfig(Section):
 
 
 class MultiTurnConfig(Section):
-    """Multi-turn rollouts with tools (engine/multi_turn.py): assistant -> tool -> assistant."""
+    """Multi-turn rollouts with tools (engine/rollout/multi_turn.py): assistant -> tool -> assistant."""
 
     enable: bool = False
     tools: list[str] = Field(default_factory=list, description="the tools, each 'module:function' or "
-                             "'path/to/file.py:function' declared with @engine.tools.tool(parameters=JSON schema)")
+                             "'path/to/file.py:function' declared with @engine.rollout.tools.tool(parameters=JSON schema)")
     format: Literal["hermes", "llama3_json"] = Field(
         "hermes", description="the model family's tool-call format: hermes (Qwen2/2.5/3, Hermes: <tool_call>{...}"
         "</tool_call>) or llama3_json (Llama 3.1/3.2: the turn is a JSON object; needs a chat template with a "
@@ -490,7 +490,9 @@ def checked_reference(spec: str) -> str:
     """`absolute_file_spec(spec)`, checked without importing or running anything: the file (or the module,
     found on sys.path as the import system would find it) exists and defines `name` at its top level (read
     with ast). What it does is found out when it is imported, in the stage that runs it."""
-    spec = absolute_file_spec(spec)
+    from engine.imports import canonical_spec
+
+    spec = canonical_spec(absolute_file_spec(spec))
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name.isidentifier():
         raise ValueError(f"{spec!r} must be 'module:function' or 'path/to/file.py:function'")

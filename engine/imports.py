@@ -11,13 +11,23 @@ from typing import Any
 
 from engine.errors import RLFlowError
 
+# Modules that moved when engine/ was grouped by role: a `module:name` spec written before names the old
+# module. run.json and deployments keep the specs they were given, so these resolve to the new one.
+MOVED = {"engine.builtin_tools": "engine.rollout.builtin_tools", "engine.tools": "engine.rollout.tools"}
+
+
+def canonical_spec(spec: str) -> str:
+    """`spec` with a moved module (MOVED) named as it is now; any other spec as it is."""
+    target, sep, name = spec.rpartition(":")
+    return f"{MOVED[target]}{sep}{name}" if sep and target in MOVED else spec
+
 
 @functools.lru_cache(maxsize=32)
 def load_object(spec: str, setting: str, error: type[RLFlowError] = RLFlowError, kind: str = "function") -> Any:
     """The `kind` (a function, by default) `name` of `module` or of the file, imported once per process;
     `error` names `setting` and says what is wrong (bad form, missing module or file, failing import,
     no such name). A function must be callable."""
-    target, sep, name = spec.rpartition(":")
+    target, sep, name = canonical_spec(spec).rpartition(":")
     if not sep or not target or not name:
         raise error(f"{setting} must be 'module:{kind}' or 'path/to/file.py:{kind}', got {spec!r}")
     module = _import_file(target, spec, setting, error) if target.endswith(".py") or os.sep in target \

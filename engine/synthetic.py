@@ -82,7 +82,7 @@ def _countdown_solution(truth: str) -> str:
 
 
 def _calc(rng: random.Random) -> tuple[str, str]:
-    # Four-digit sums: beyond what the tiny model computes, easy with the calculator tool (engine/builtin_tools.py).
+    # Four-digit sums: beyond what the tiny model computes, easy with the calculator tool (engine/rollout/builtin_tools.py).
     a, b = rng.randint(1000, 9999), rng.randint(1000, 9999)
     return f"{a}+{b}=", str(a + b)
 

@@ -112,11 +112,23 @@ def resume_config(store: ObjectStore, run_id: str, cfg: RLConfig | None, overrid
 def _check_code_settings(run_id: str, saved: dict[str, Any], mine: dict[str, Any], keys: list[str]) -> None:
     """ConfigError when run.json gives one of `keys` (CODE_SETTINGS) otherwise than the user (`mine`)."""
     for key in keys:
-        stored, given = _dotted(saved, key), _dotted(mine, key)
+        stored, given = _canonical(_dotted(saved, key)), _dotted(mine, key)
         if stored != given:
             raise ConfigError(f"--resume {run_id}: run.json has {key}={stored!r} where your config and command line "
                               f"give {given!r}; what a run executes is never taken from storage: give {key} "
                               "yourself to resume with it")
+
+
+def _canonical(value: Any) -> Any:
+    """A stored spec (or list of specs) naming a module that moved (engine.imports.MOVED) as the config now
+    writes it: a run started before the move resumes with the spec it was given."""
+    from engine.imports import canonical_spec
+
+    if isinstance(value, str):
+        return canonical_spec(value)
+    if isinstance(value, list):
+        return [canonical_spec(v) if isinstance(v, str) else v for v in value]
+    return value
 
 
 def _dotted(tree: Any, key: str) -> Any:
@@ -153,7 +165,7 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
         resolve_tokenizer_path,
     )
     from engine.models.tokens import prompt_lengths
-    from engine.tools import describe, load_tools
+    from engine.rollout.tools import describe, load_tools
     from flows.algorithms import stages_for
 
     check_run_id(run_id)

@@ -20,8 +20,8 @@ from engine.data import PromptDataset, load_prompts
 from engine.engine import Engine, EngineSpec
 from engine.models.loading import load_tokenizer
 from engine.models.tokens import encode_prompts, prompt_lengths
+from engine.rollout.tools import describe, load_tools
 from engine.sampler import PromptSampler
-from engine.tools import describe, load_tools
 from infra.checkpoints import CheckpointStore
 from infra.config import StorageConfig
 from infra.runs import RunStore

@@ -202,9 +202,9 @@ def test_file_paths_of_user_code_are_made_absolute(tmp_path: Path, monkeypatch: 
     (tmp_path / "my" / "reward.py").write_text("def score(*args):\n    return 0.0\n")
     (tmp_path / "a.py").write_text("def f(batch):\n    return {}\n")
     cfg = load_config(None, ["reward.function=my/reward.py:score",
-                             "algorithm.extra_stages=a.py:f,engine.builtin_tools:calculator"])
+                             "algorithm.extra_stages=a.py:f,engine.rollout.builtin_tools:calculator"])
     assert cfg.reward.function == f"{tmp_path}/my/reward.py:score"
-    assert cfg.algorithm.extra_stages == [f"{tmp_path}/a.py:f", "engine.builtin_tools:calculator"]
+    assert cfg.algorithm.extra_stages == [f"{tmp_path}/a.py:f", "engine.rollout.builtin_tools:calculator"]
 
 
 @pytest.mark.parametrize(("override", "message"), [
@@ -355,11 +355,11 @@ def test_dynamic_sampling_outside_what_it_is_built_for_is_refused(overrides: lis
 @pytest.mark.parametrize(("overrides", "message"), [
     (["algorithm.cost_limit=0.5"], "algorithm.cost_limit=0.5 is not allowed: limits a cost, and there is none: set "
                                    "reward.cost_function"),
-    (["reward.cost_function=engine.builtin_tools:calculator"], "reward.cost_function='engine.builtin_tools:calculator' "
+    (["reward.cost_function=engine.rollout.builtin_tools:calculator"], "reward.cost_function='engine.rollout.builtin_tools:calculator' "
                                                                 "is not allowed: is used only against a limit: set "
                                                                 "algorithm.cost_limit"),
     (["algorithm.lagrange_lr=0.5"], "algorithm.lagrange_lr=0.5 is not allowed: sets the Lagrange multiplier of safe RL"),
-    (["algorithm.cost_limit=0.5", "reward.cost_function=engine.builtin_tools:calculator", "algorithm.lagrange_init=200"],
+    (["algorithm.cost_limit=0.5", "reward.cost_function=engine.rollout.builtin_tools:calculator", "algorithm.lagrange_init=200"],
      "algorithm.lagrange_init=200.0 is not allowed: must be at most algorithm.lagrange_max (100.0)"),
 ])
 def test_safe_rl_settings_without_a_cost_and_its_limit_are_refused(overrides: list[str], message: str) -> None:
@@ -382,7 +382,7 @@ def test_safe_rl_settings_without_a_cost_and_its_limit_are_refused(overrides: li
 def test_multi_turn_and_reward_model_settings_outside_their_mode_are_refused(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, overrides)
-    for ok in ([], ["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=engine.builtin_tools:calculator"],
+    for ok in ([], ["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=engine.rollout.builtin_tools:calculator"],
                ["reward.model.path=/x", "reward.rule_weight=0"]):
         cfg = load_config(None, ok)
         assert build_config(json.loads(json.dumps(cfg.public_dict()))).config_hash() == cfg.config_hash()
@@ -429,7 +429,7 @@ def test_code_references_are_checked_at_load_without_importing(tmp_path: Path) -
         f"reward.function={module}:nope": f"{module} defines no 'nope' at its top level",
         f"reward.function={tmp_path}/missing.py:f": f"{tmp_path}/missing.py is not a file",
         "reward.function=no_such_module_xyz:f": "no module 'no_such_module_xyz' on this Python's path",
-        "reward.function=engine.builtin_tools:nope": "builtin_tools.py defines no 'nope' at its top level",
+        "reward.function=engine.rollout.builtin_tools:nope": "builtin_tools.py defines no 'nope' at its top level",
         f"algorithm.extra_stages={module}:nope": "defines no 'nope'",
         f"reward.cost_function={module}:nope": "defines no 'nope'",
     }
@@ -437,7 +437,7 @@ def test_code_references_are_checked_at_load_without_importing(tmp_path: Path) -
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_config(None, [override])
     with pytest.raises(ConfigError, match=re.escape("defines no 'nope'")):
-        load_config(None, ["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=engine.builtin_tools:nope"])
+        load_config(None, ["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=engine.rollout.builtin_tools:nope"])
     assert not (tmp_path / "imported").exists()
 
 
@@ -450,3 +450,15 @@ def test_local_storage_on_two_nodes() -> None:
     with pytest.raises(ConfigError, match="set storage.shared_fs=true if every node mounts that folder"):
         check_storage_reaches_nodes(load_config(None, ["storage.root=/data/runs"]).storage, nodes)
     check_storage_reaches_nodes(load_config(None, ["storage.root=/data/runs", "storage.shared_fs=true"]).storage, nodes)
+
+
+def test_a_spec_of_a_module_that_moved_still_loads() -> None:
+    """run.json and deployments keep the specs they were given: one that names a module from before engine/
+    was grouped by role (engine.imports.MOVED) is read as the module's new name, and loads."""
+    from engine.imports import canonical_spec, load_object
+
+    old = "engine.builtin_tools:calculator"
+    assert canonical_spec(old) == "engine.rollout.builtin_tools:calculator"
+    cfg = load_config(None, ["rollout.multi_turn.enable=true", f"rollout.multi_turn.tools={old}"])
+    assert cfg.rollout.multi_turn.tools == ["engine.rollout.builtin_tools:calculator"]
+    assert load_object(old, "rollout.multi_turn.tools", ConfigError)("2+3") == "5"

@@ -68,3 +68,14 @@ def test_storage_and_the_engine_accept_the_same_run_ids(run_id: str) -> None:
     by_storage = accepted(layout.check_run_id, StoreError)
     assert by_storage == accepted(group.check_run_id, EngineError)
     assert by_storage == (run_id in {"a", "run-1", "A.b_c-9", "x" * 128})
+
+
+def test_a_tool_module_loads_without_torch() -> None:
+    """A tool call's sandbox child imports the tool's module under an address-space cap
+    (rollout.multi_turn.tool_memory_mb): engine/rollout/__init__.py must not pull in torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, engine.rollout.builtin_tools; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

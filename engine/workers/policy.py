@@ -32,12 +32,13 @@ from engine.config import RolloutConfig
 from engine.models import lora
 from engine.models.loading import dropout_left, load_model, load_tokenizer
 from engine.models.tokens import cache_argument, packed_inputs, positions, stop_token_ids
-from engine.multi_turn import generate_multi_turn
 from engine.reward_model import RewardModelScorer, prompts_of
-from engine.rollout import SamplingParams, make_rollout
+from engine.rollout.backends import make_rollout
+from engine.rollout.base import SamplingParams
+from engine.rollout.multi_turn import generate_multi_turn
+from engine.rollout.tools import load_tools, observation_renderer
 from engine.seeds import derive_seed
 from engine.state import weight_sync
-from engine.tools import load_tools, observation_renderer
 from engine.workers import fsdp
 from engine.workers.base import RankWorker, traced
 from engine.workers.specs import PolicySpec
@@ -438,7 +439,7 @@ def generate_batch(rollout: Any, prompts: Batch, cfg: RolloutConfig, *, seed: in
     `rollout_version` [B] (the weights' version)."""
     params = SamplingParams(cfg.max_new_tokens, do_sample, cfg.temperature, cfg.top_p, cfg.top_k)
     stage = ("rollout" if do_sample else "rollout_greedy") + (f"/draw{draw}" if draw else "")
-    if cfg.multi_turn.enable:  # assistant -> tool -> assistant (engine/multi_turn.py)
+    if cfg.multi_turn.enable:  # assistant -> tool -> assistant (engine/rollout/multi_turn.py)
         return generate_multi_turn(rollout, tokenizer, tools or {}, prompts, cfg, seed=seed, iteration=iteration,
                                    rank=rank, do_sample=do_sample, version=version, stage=stage,
                                    isolation=isolation)

@@ -17,9 +17,9 @@ from engine.batch import Batch
 from engine.models import lora
 from engine.models.loading import dropout_left, empty_model, load_model, load_tokenizer
 from engine.models.tokens import stop_token_ids
-from engine.rollout import make_rollout
+from engine.rollout.backends import make_rollout
+from engine.rollout.tools import load_tools, observation_renderer
 from engine.state import weight_sync
-from engine.tools import load_tools, observation_renderer
 from engine.workers.base import RankWorker, traced
 from engine.workers.policy import PolicySpec, generate_batch, vllm_engine
 

@@ -12,7 +12,8 @@ from transformers import GenerationConfig
 
 from engine.models.loading import load_model, load_tokenizer
 from engine.models.tokens import encode_prompts, stop_token_ids
-from engine.rollout import HFRollout, SamplingParams, sample_next
+from engine.rollout.base import SamplingParams
+from engine.rollout.hf import HFRollout, sample_next
 from engine.synthetic import make_rows
 
 

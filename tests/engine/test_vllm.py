@@ -13,7 +13,9 @@ import torch
 from engine.config import VllmConfig
 from engine.models.loading import load_model, load_tokenizer
 from engine.models.tokens import encode_prompts, positions, stop_token_ids
-from engine.rollout import HFRollout, SamplingParams, make_rollout, sampling_logits
+from engine.rollout.backends import make_rollout
+from engine.rollout.base import SamplingParams
+from engine.rollout.hf import HFRollout, sampling_logits
 from engine.synthetic import make_rows
 
 

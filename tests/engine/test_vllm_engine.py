@@ -15,7 +15,8 @@ from engine.engine import Engine
 from engine.models import lora
 from engine.models.loading import load_model, load_tokenizer
 from engine.models.tokens import stop_token_ids
-from engine.rollout import HFRollout, SamplingParams
+from engine.rollout.base import SamplingParams
+from engine.rollout.hf import HFRollout
 from tests.engine.test_engine import make_spec, prompts
 from tests.engine.test_lora import LORA
 

@@ -1,6 +1,6 @@
 """Multi-turn rollouts with tools through the real CLI, stack and storage: the tiny model warm-started on
 four-digit sums, half of its demonstrations calling the calculator tool (hermes format), trained with
-rollout.multi_turn on (engine.builtin_tools:calculator).
+rollout.multi_turn on (engine.rollout.builtin_tools:calculator).
 
 - The rollout buffer keeps every turn (readable with pandas); the observation tokens are holes in
   `response_mask` (no loss, no KL) but real tokens for attention; their rollout log-probs are 0; the
@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from engine.batch import Batch
-from engine.builtin_tools import calculator
-from engine.tools import parse_tool_call
+from engine.rollout.builtin_tools import calculator
+from engine.rollout.tools import parse_tool_call
 from tests.ops.test_async import assert_equal_weights, metrics_done
 from tests.ops.test_faults import buffers
 from tests.services import Cli, WarmCli
@@ -36,7 +36,7 @@ KILL_AFTER_UPDATE_2 = ("debug.kill_flow_after=update_policy", "debug.kill_iterat
 ITERATIONS, N, PROMPTS = 2, 4, 4
 SFT_STEPS = 60  # enough for tool calls, most of them well formed (150 steps took 130 s more, 2026-12-02)
 # code: given again on every resume (with the switch its check needs)
-TOOL = ("rollout.multi_turn.enable=true", "rollout.multi_turn.tools=engine.builtin_tools:calculator")
+TOOL = ("rollout.multi_turn.enable=true", "rollout.multi_turn.tools=engine.rollout.builtin_tools:calculator")
 TOOLS = Path(__file__).resolve().parents[1] / "pipeline" / "tools.py"
 
 
@@ -68,7 +68,7 @@ def weights(root: Path, run_id: str) -> dict:
 
 
 def test_turns_observations_and_masks(vllm_reference: dict, calc_model_dir: Path) -> None:
-    """On the vLLM run's buffers (the turns are engine.multi_turn's whatever the backend; the hf backend's
+    """On the vLLM run's buffers (the turns are engine.rollout.multi_turn's whatever the backend; the hf backend's
     multi-turn rollouts are the broken-tool run's below)."""
     from transformers import AutoTokenizer
 

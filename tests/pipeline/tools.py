@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from engine.tools import tool
+from engine.rollout.tools import tool
 
 NO_ARGS = {"type": "object", "properties": {}}
 

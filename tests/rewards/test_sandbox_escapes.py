@@ -257,11 +257,11 @@ def test_where_bwrap_is_missing_only_pure_tools_run_unless_isolation_is_none(mon
                                                                              caplog: pytest.LogCaptureFixture) -> None:
     from engine.errors import RewardError
     from engine.rewards import sandbox
-    from engine.tools import ToolCall, call_tools, load_tools
+    from engine.rollout.tools import ToolCall, call_tools, load_tools
 
     monkeypatch.setattr(sandbox, "BWRAP", "bwrap-not-installed-here")
     tools = load_tools([f"{Path(__file__).resolve().parents[1] / 'pipeline' / 'tools.py'}:echo",
-                        "engine.builtin_tools:calculator"])
+                        "engine.rollout.builtin_tools:calculator"])
     calls = [("0", ToolCall("echo", {"text": "abc"})), ("1", ToolCall("calculator", {"expression": "6*7"}))]
     assert call_tools(calls, tools, LIMITS, 200) == [
         "error: echo runs only in the sandbox, and bubblewrap (bwrap) is not installed", "42"]  # calculator: pure

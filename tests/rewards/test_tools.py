@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.builtin_tools import calculator
 from engine.errors import ConfigError
 from engine.rewards.types import SandboxLimits
-from engine.tools import ToolCall, call_tools, check_arguments, load_tools, parse_tool_call
+from engine.rollout.builtin_tools import calculator
+from engine.rollout.tools import ToolCall, call_tools, check_arguments, load_tools, parse_tool_call
 
 TOOLS = Path(__file__).resolve().parents[1] / "pipeline" / "tools.py"
 
@@ -38,13 +38,13 @@ def test_arguments_are_checked_against_the_schema() -> None:
 
 
 def test_a_function_not_declared_as_a_tool_is_refused() -> None:
-    with pytest.raises(ConfigError, match="undeclared is not a tool; declare it with @engine.tools.tool"):
+    with pytest.raises(ConfigError, match="undeclared is not a tool; declare it with @engine.rollout.tools.tool"):
         load_tools([f"{TOOLS}:undeclared"])
 
 
 def test_every_failure_of_a_tool_is_an_observation() -> None:
     tools = load_tools([f"{TOOLS}:{name}" for name in ("echo", "boom", "slow", "hog", "number")]
-                       + ["engine.builtin_tools:calculator"])
+                       + ["engine.rollout.builtin_tools:calculator"])
     calls = [("0", ToolCall("echo", {"text": "abc"})), ("1", ToolCall("boom", {})), ("2", ToolCall("slow", {})),
              ("3", ToolCall("hog", {})), ("4", ToolCall("number", {})), ("5", ToolCall("nope", {})),
              ("6", ToolCall("echo", {"text": 3})), "the tool call is not JSON: x",
@@ -80,13 +80,13 @@ def test_calculator() -> None:
 
 def test_the_tools_reach_a_chat_template_that_renders_them() -> None:
     from engine.models.tokens import encode_prompts, prompt_lengths, prompt_text
+    from engine.rollout.tools import describe
     from engine.tiny import build_tokenizer
-    from engine.tools import describe
 
     tokenizer = build_tokenizer()
     tokenizer.chat_template = ("{% if tools %}{% for t in tools %}[{{ t.function.name }}: {{ t.function.description }}]"
                                "{% endfor %}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}")
-    tools = describe(load_tools(["engine.builtin_tools:calculator"]))
+    tools = describe(load_tools(["engine.rollout.builtin_tools:calculator"]))
     messages = [{"role": "user", "content": "1+2="}]
     assert prompt_text(tokenizer, messages, tools) == \
         "[calculator: evaluate an integer arithmetic expression (+ - * // %, parentheses)]1+2="
@@ -181,7 +181,7 @@ def test_the_observation_is_the_chat_templates_tool_turn(family: str, fmt: str) 
     """The prompt, the model's turn (hermes: cut after </tool_call>; llama3_json: ended by its own
     <|eot_id|>) and the rendered observation are, as text, exactly what the template writes for the
     conversation with the call and the tool's answer, up to the next assistant header."""
-    from engine.tools import observation_renderer
+    from engine.rollout.tools import observation_renderer
 
     tok = _tokenizer(family)
     render = observation_renderer(tok, fmt)
@@ -192,7 +192,7 @@ def test_the_observation_is_the_chat_templates_tool_turn(family: str, fmt: str) 
 
 
 def test_a_template_without_a_tool_turn_gets_hermes_wrapping_and_refuses_llama3_json() -> None:
-    from engine.tools import observation_renderer
+    from engine.rollout.tools import observation_renderer
 
     generic = _tokenizer("qwen3")  # ChatML written for any role: `<|im_start|>tool` is not a tool turn
     assert observation_renderer(generic, "hermes")("", "5") == "\n<tool_response>\n5\n</tool_response>\n"
@@ -228,14 +228,14 @@ def test_a_llama31_multi_turn_response_is_the_templates_conversation_and_the_rew
     from engine.batch import Batch
     from engine.config import RolloutConfig
     from engine.models.tokens import encode_prompts, response_texts
-    from engine.multi_turn import generate_multi_turn
+    from engine.rollout.multi_turn import generate_multi_turn
 
     tok = _tokenizer("llama")
     eot = tok.convert_tokens_to_ids("<|eot_id|>")
     ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     rollout = _Scripted([ids(_call_text("llama3_json")) + [eot], ids("#### 5") + [eot]], [eot], tok.pad_token_id or eot)
     cfg = RolloutConfig(max_new_tokens=160, multi_turn={"enable": True, "format": "llama3_json",
-                                                        "tools": ["engine.builtin_tools:calculator"]})
+                                                        "tools": ["engine.rollout.builtin_tools:calculator"]})
     enc = encode_prompts(tok, [_conversation()[:1]])
     prompts = Batch({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask})
     tools = load_tools(cfg.multi_turn.tools)

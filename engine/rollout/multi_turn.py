@@ -2,8 +2,8 @@
 
 Each turn generates for the rows still going, from their prompt plus everything so far; a turn that ends
 with a tool call (rollout.multi_turn.format; hermes' turn is cut right after </tool_call>, llama3_json's
-ends at the model's end-of-turn token) has its call run in the sandbox (engine.tools), and the observation
-is appended as the model's chat template writes a tool message (engine.tools.observation_renderer). A turn
+ends at the model's end-of-turn token) has its call run in the sandbox (engine.rollout.tools), and the observation
+is appended as the model's chat template writes a tool message (engine.rollout.tools.observation_renderer). A turn
 without a call, or the last turn, ends the row. The row's response is all of it, turns and observations, in one token sequence of at
 most rollout.max_new_tokens:
 
@@ -31,9 +31,16 @@ import torch
 from engine.batch import Batch
 from engine.config import RolloutConfig
 from engine.rewards.types import SandboxLimits
-from engine.rollout import SamplingParams
+from engine.rollout.base import SamplingParams
+from engine.rollout.tools import (
+    CALL_END,
+    ToolCall,
+    ToolSpec,
+    call_tools,
+    observation_renderer,
+    parse_tool_call,
+)
 from engine.seeds import derive_seed
-from engine.tools import CALL_END, ToolCall, ToolSpec, call_tools, observation_renderer, parse_tool_call
 
 
 def generate_multi_turn(rollout: Any, tokenizer: Any, tools: dict[str, tuple[str, ToolSpec]], prompts: Batch,

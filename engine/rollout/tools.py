@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from engine.errors import ConfigError
-from engine.imports import load_object
+from engine.imports import canonical_spec, load_object
 from engine.rewards.sandbox import SandboxJob, bwrap_available, run_sandboxed
 from engine.rewards.types import SandboxLimits
 
@@ -75,12 +75,12 @@ def load_tools(refs: Sequence[str]) -> dict[str, tuple[str, ToolSpec]]:
     """{tool name: (its 'module:function' or 'file.py:function', its spec)}; ConfigError for a function
     that is not a declared tool, or two tools of one name."""
     found: dict[str, tuple[str, ToolSpec]] = {}
-    for ref in refs:
+    for ref in map(canonical_spec, refs):
         fn = load_object(ref, "rollout.multi_turn.tools", ConfigError)
         spec = getattr(fn, "rlflow_tool", None)
         if not isinstance(spec, ToolSpec):
             raise ConfigError(f"rollout.multi_turn.tools: {ref} is not a tool; declare it with "
-                              "@engine.tools.tool(parameters={...JSON schema...})")
+                              "@engine.rollout.tools.tool(parameters={...JSON schema...})")
         if spec.name in found:
             raise ConfigError(f"rollout.multi_turn.tools: two tools are named {spec.name!r} ({found[spec.name][0]}, {ref})")
         found[spec.name] = (ref, spec)

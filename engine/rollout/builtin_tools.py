@@ -1,11 +1,11 @@
-"""Tools that come with rlflow (rollout.multi_turn.tools=engine.builtin_tools:calculator)."""
+"""Tools that come with rlflow (rollout.multi_turn.tools=engine.rollout.builtin_tools:calculator)."""
 
 from __future__ import annotations
 
 import ast
 import operator
 
-from engine.tools import tool
+from engine.rollout.tools import tool
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
         ast.Mod: operator.mod, ast.USub: operator.neg}
