@@ -30,7 +30,7 @@ from infra.store import ObjectStore
 
 if TYPE_CHECKING:  # the engine, Ray and the model classes are imported where a check needs them: a bad
     # setting, run id or data file is answered in about 2 s instead of 6 (2 cores)
-    from engine.data import PromptDataset
+    from engine.data.prompts import PromptDataset
     from engine.engine import EngineSpec
     from tasks.context import RunPlan
 
@@ -155,7 +155,7 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
     run id free (new run), model and tokenizer, data rows and prompt lengths, batch size, the engine
     and stage list, and the reward on a few real rows. `rlflow train` calls it before the stack starts;
     `open_run` calls it again (a deployment's run comes without the CLI)."""
-    from engine.data import load_train_val
+    from engine.data.prompts import load_train_val
     from engine.models.loading import (
         cache_dir,
         load_tokenizer,

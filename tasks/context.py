@@ -16,12 +16,12 @@ from pydantic import BaseModel
 
 from engine.batch import Batch
 from engine.config import AlgorithmConfig, DataConfig, RewardConfig, RolloutConfig
-from engine.data import PromptDataset, load_prompts
+from engine.data.prompts import PromptDataset, load_prompts
+from engine.data.sampler import PromptSampler
 from engine.engine import Engine, EngineSpec
 from engine.models.loading import load_tokenizer
 from engine.models.tokens import encode_prompts, prompt_lengths
 from engine.rollout.tools import describe, load_tools
-from engine.sampler import PromptSampler
 from infra.checkpoints import CheckpointStore
 from infra.config import StorageConfig
 from infra.runs import RunStore

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.data import make_synthetic_files
+from engine.data.prompts import make_synthetic_files
 from engine.synthetic import TASKS
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from engine.data import load_prompts
+from engine.data.prompts import load_prompts
 from engine.synthetic import make_rows
 from flows.cli import main
 

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from engine.config import DataConfig
-from engine.data import (
+from engine.data.prompts import (
     PromptDataset,
     ensure_synthetic_data,
     filter_long_prompts,
@@ -22,8 +22,8 @@ from engine.data import (
     load_train_val,
     write_rows_parquet,
 )
+from engine.data.sampler import PromptSampler
 from engine.errors import DataError
-from engine.sampler import PromptSampler
 
 
 def verl_row(i: int, content: str | None = None, source: str = "openai/gsm8k") -> dict[str, Any]:

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.data.sampler import PromptSampler, eval_batches
 from engine.errors import DataError
-from engine.sampler import PromptSampler, eval_batches
 
 
 def take(sampler: PromptSampler, steps: int) -> list[list[int]]:
@@ -49,7 +49,7 @@ def test_no_shuffle_keeps_file_order() -> None:
 def test_order_is_the_same_in_another_process() -> None:
     # The permutation must not depend on PYTHONHASHSEED or the process: every rank and every resumed
     # run derives the same one.
-    code = "from engine.sampler import PromptSampler as S; print(S(50, 7, seed=3).epoch_order(2))"
+    code = "from engine.data.sampler import PromptSampler as S; print(S(50, 7, seed=3).epoch_order(2))"
     env = {**os.environ, "PYTHONHASHSEED": "123", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(PromptSampler(50, 7, seed=3).epoch_order(2))

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from engine.batch import Batch
-from engine.sampler import PromptSampler
+from engine.data.sampler import PromptSampler
 from tests.ops.test_async import assert_equal_weights, metrics_done
 from tests.ops.test_faults import buffers
 from tests.services import Cli, WarmCli
