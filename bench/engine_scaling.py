@@ -33,11 +33,11 @@ sys.path.insert(0, str(REPO))
 from bench.vs_trl import _free_port  # noqa: E402
 from engine.batch import Batch  # noqa: E402
 from engine.config import ActorConfig, RolloutConfig  # noqa: E402
+from engine.demo.synthetic import make_rows  # noqa: E402
+from engine.demo.tiny import TinyShape, build_tiny  # noqa: E402
 from engine.engine import Engine, EngineSpec  # noqa: E402
 from engine.models.loading import load_tokenizer  # noqa: E402
 from engine.models.tokens import encode_prompts  # noqa: E402
-from engine.synthetic import make_rows  # noqa: E402
-from engine.tiny import TinyShape, build_tiny  # noqa: E402
 from engine.workers.policy import PolicySpec  # noqa: E402
 
 SIZES = {  # name: (hidden, mlp, layers, folder under --work)

@@ -77,8 +77,8 @@ def main() -> int:
         import s3fs
 
         from engine.config import ActorConfig
+        from engine.demo.tiny import TinyShape, build_tiny
         from engine.engine import Engine, EngineSpec
-        from engine.tiny import TinyShape, build_tiny
         from engine.workers.policy import PolicySpec
         from flows.train import restore
         from infra.checkpoints import CheckpointStore

@@ -11,7 +11,7 @@ grad clip 1.0), clip 0.2, token-mean loss, group-std advantages, one optimizer s
     W1: hidden 128, MLP 256, 2 layers; 8 prompts x 8 = 64 completions per step; 16 new tokens
     W2: hidden 256, MLP 512, 4 layers; 64 prompts x 8 = 512 completions per step; 32 new tokens
     W3: a Qwen2-shaped model of 26.8 M parameters (hidden 512, MLP 1408, 9 layers, 8 heads, 4 KV heads)
-        with its byte-level BPE tokenizer and ChatML template (engine/families.py, random weights);
+        with its byte-level BPE tokenizer and ChatML template (engine/demo/families.py, random weights);
         8 prompts x 8 = 64 completions per step of up to 256 new tokens; lr 1e-5
 
     python bench/vs_trl.py --workloads W3 --betas 0 --steps 3 --repeats 1 --settings fp32,fp32+gc,fp32+budget
@@ -115,12 +115,12 @@ def trl_python(work: Path) -> Path:
 
 def build_inputs(work: Path, name: str) -> tuple[Path, Path]:
     """(model folder, train parquet) of a workload, built once."""
-    from engine.tiny import TinyShape, build_tiny
+    from engine.demo.tiny import TinyShape, build_tiny
 
     spec = WORKLOADS[name]
     model = work / f"model-{name}"
     if "family" in spec and not (model / "rlflow_family.json").exists():
-        from engine.families import FamilyShape, build_family
+        from engine.demo.families import FamilyShape, build_family
 
         shutil.rmtree(model, ignore_errors=True)
         build_family(spec["family"], model, task="sort", seed=0, shape=FamilyShape(

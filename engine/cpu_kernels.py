@@ -6,7 +6,7 @@ few hundred optimizer steps another score (the tiny sort model's warm start and 
 0.760 on an AVX-512 machine, 0.757 on AVX2 ones). Pinned to AVX2, which every x86-64 CPU of the last
 decade has, every such machine computes the same bytes. Each variable must be set before the library
 reads it (torch: at import), so the pinned environment goes to processes not yet started: the Ray
-workers and ranks (flows.train.worker_env) and the tiny model's build (engine.tiny.cached_tiny).
+workers and ranks (flows.train.worker_env) and the tiny model's build (engine.demo.tiny.cached_tiny).
 
 `placement.cpu_kernels`: auto (AVX2 where the CPU has it, else the native kernels), avx2 (refused on a
 CPU without AVX2), native (the fastest the CPU has; results then depend on the CPU).

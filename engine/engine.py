@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from engine.batch import Batch
 from engine.errors import ConfigError, EngineDeadError, EngineError, VersionMismatchError
-from engine.reward_model import RewardModelSpec
+from engine.rewards.reward_model import RewardModelSpec
 from engine.workers.group import NAMESPACE, WorkerGroup, check_run_id
 from engine.workers.specs import CriticSpec, PolicySpec
 

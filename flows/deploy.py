@@ -216,7 +216,8 @@ def base_model_dir(base: BaseCheckpoint, store: ObjectStore, trust_remote_code: 
 def _export_policy(base: BaseCheckpoint, store: ObjectStore, tmp: Path, trust_remote_code: bool) -> None:
     """Verify and fetch the step, load its policy shards into the parent's model, save_pretrained."""
     from engine.cpu_kernels import kernel_env
-    from engine.models.loading import load_model, load_tokenizer, resolve_model_path, resolve_tokenizer_path
+    from engine.demo.tiny import resolve_model_path, resolve_tokenizer_path
+    from engine.models.loading import load_model, load_tokenizer
     from engine.state.checkpoint_io import load_state
 
     parent = build_config(RunStore(store, base.run_id).read_run_info()["config"])

@@ -156,14 +156,8 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
     and stage list, and the reward on a few real rows. `rlflow train` calls it before the stack starts;
     `open_run` calls it again (a deployment's run comes without the CLI)."""
     from engine.data.prompts import load_train_val
-    from engine.models.loading import (
-        cache_dir,
-        load_tokenizer,
-        model_identity,
-        resolve_model_path,
-        resolve_reward_model_path,
-        resolve_tokenizer_path,
-    )
+    from engine.demo.tiny import resolve_model_path, resolve_tokenizer_path
+    from engine.models.loading import cache_dir, load_tokenizer, model_identity, resolve_reward_model_path
     from engine.models.tokens import prompt_lengths
     from engine.rollout.tools import describe, load_tools
     from flows.algorithms import stages_for
@@ -187,8 +181,14 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
         check_has_code("model.trust_remote_code", model_path, tokenizer_path)
     tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=cfg.model.trust_remote_code)
     tools = describe(load_tools(cfg.rollout.multi_turn.tools)) if cfg.rollout.multi_turn.enable else None
+    synthetic = None
+    if not cfg.data.train_files:  # the synthetic data.task: demo code, its files written here
+        from engine.demo.data import ensure_synthetic_data
+
+        synthetic = ensure_synthetic_data(cfg.data.task, cache_dir() / "data", train_size=cfg.data.train_size,
+                                          val_size=cfg.data.val_size, seed=cfg.data.seed)
     train, val = load_train_val(cfg.data, length_fn=lambda p: prompt_lengths(tokenizer, [p], tools)[0],
-                                synthetic_dir=cache_dir() / "data")
+                                synthetic_files=synthetic)
     if len(train) < cfg.data.train_batch_size:
         raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} is larger than the training set "
                           f"({len(train)} prompts after filtering): lower it or add data")
@@ -213,7 +213,7 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
         check_reward(train, cfg.reward.model_copy(update={"function": cfg.reward.cost_function,
                                                           "overlong_buffer_len": 0}))
     if cfg.reward.model.path is not None:
-        from engine.reward_model import check_reward_model
+        from engine.rewards.reward_model import check_reward_model
 
         rm_path = resolve_reward_model_path(cfg.reward.model.path)
         if cfg.reward.model.trust_remote_code:
@@ -365,7 +365,7 @@ def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str
     """The engine of this run: policy (+ ref when a KL term is on) and, for PPO, a critic."""
     from engine.engine import EngineSpec
     from engine.models.loading import resolve_reward_model_path
-    from engine.reward_model import RewardModelSpec
+    from engine.rewards.reward_model import RewardModelSpec
     from engine.workers.specs import CriticSpec, PolicySpec
 
     device = resolve_device(cfg.trainer.device)

@@ -97,7 +97,7 @@ def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> dict[str, st
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A quickly built tiny model (few warm-start steps): real files, loaded like any HF model.
     Shared by the engine and pipeline tests; the full build is tested in tests/models."""
-    from engine.tiny import build_tiny
+    from engine.demo.tiny import build_tiny
 
     out = tmp_path_factory.mktemp("tiny") / "model"
     build_tiny(out, task="arith", seed=0, steps=30)

@@ -183,7 +183,7 @@ def test_device_auto_resolves_and_what_is_not_built_is_refused(monkeypatch: pyte
         engine_spec(cfg, "r", "m", "t")
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match="model.tiny_seed=3 is not allowed with model.path="):
-        resolve_model_path(ModelConfig(path=str(tmp_path), tiny_seed=3), "arith")
+        resolve_model_path(ModelConfig(path=str(tmp_path), tiny_seed=3))
 
 
 def test_the_configuration_reference_is_current() -> None:

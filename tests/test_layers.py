@@ -46,6 +46,16 @@ def test_tasks_never_import_flows() -> None:
     assert [(f, m) for f, m in imports_of("tasks") if top(m) == "flows"] == []
 
 
+def test_only_flows_and_the_demo_itself_import_the_demo() -> None:
+    """engine/demo (the project's own tiny models and synthetic data) is called by flows/ and the CLI: the rest
+    of the engine, tasks/ and infra/ never import it, so "tiny" and the synthetic files reach the engine as
+    directories and files resolved by the flows layer."""
+    demo = [(f, m) for package in ("engine", "tasks", "infra") for f, m in imports_of(package)
+            if (m == "engine.demo" or m.startswith("engine.demo.")) and not f.startswith("engine/demo/")]
+    assert demo == []
+    assert [(f, m) for f, m in imports_of("engine/demo") if top(m) in {"tasks", "flows", "infra", "prefect"}] == []
+
+
 @pytest.mark.parametrize("run_id", ["a", "run-1", "A.b_c-9", "x" * 128, "", "-a", ".a", "a/b", "a\n", "x" * 129,
                                     "a b", "é", "../etc"])
 def test_storage_and_the_engine_accept_the_same_run_ids(run_id: str) -> None:

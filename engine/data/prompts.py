@@ -28,7 +28,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine import synthetic
 from engine.config import DataConfig
 from engine.errors import DataError
 
@@ -130,18 +129,20 @@ def refuse_long_prompts(dataset: PromptDataset, max_length: int, length_fn: Leng
 
 
 def load_train_val(
-    cfg: DataConfig, *, length_fn: LengthFn, synthetic_dir: str | os.PathLike[str]
+    cfg: DataConfig, *, length_fn: LengthFn, synthetic_files: tuple[Path, Path] | None = None
 ) -> tuple[PromptDataset, PromptDataset | None]:
-    """The train and validation sets of a run: `cfg.train_files`, or the synthetic `cfg.task`.
+    """The train and validation sets of a run: `cfg.train_files`, or, without them, `synthetic_files` (the
+    synthetic `cfg.task`'s train and validation files, which the flows layer writes: engine.demo.data).
 
     Validation is None when train files are given without validation files (no validation then).
     """
     train_files: list[str] = list(cfg.train_files)
     val_files: list[str] = list(cfg.val_files)
     if not train_files:
-        train_path, val_path = ensure_synthetic_data(
-            cfg.task, synthetic_dir, train_size=cfg.train_size, val_size=cfg.val_size, seed=cfg.seed
-        )
+        if synthetic_files is None:
+            raise DataError(f"data.train_files is empty and the files of the synthetic data.task={cfg.task!r} were "
+                            "not given (the flows layer writes them: engine.demo.data.ensure_synthetic_data)")
+        train_path, val_path = synthetic_files
         train_files, val_files = [str(train_path)], val_files or [str(val_path)]
 
     def load(files: list[str], split: str) -> PromptDataset:
@@ -336,7 +337,7 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-# ------------------------------------------------------------------------------ synthetic files
+# ------------------------------------------------------------------------------ writing rows
 
 
 def write_rows_parquet(rows: Sequence[dict[str, Any]], path: str | os.PathLike[str]) -> Path:
@@ -353,49 +354,3 @@ def write_rows_parquet(rows: Sequence[dict[str, Any]], path: str | os.PathLike[s
     finally:
         tmp.unlink(missing_ok=True)
     return path
-
-
-def make_synthetic_files(
-    task: str,
-    out_dir: str | os.PathLike[str],
-    *,
-    n: int,
-    val_n: int,
-    seed: int,
-    train_name: str = "train.parquet",
-    val_name: str = "val.parquet",
-) -> tuple[Path, Path]:
-    """Write `n` train and `val_n` validation rows of a synthetic task (what `rlflow data make` does)."""
-    if task not in synthetic.TASKS:
-        raise DataError(f"unknown synthetic task {task!r}; allowed: {', '.join(synthetic.TASKS)}")
-    if n <= 0 or val_n <= 0:
-        raise DataError(f"row counts must be positive, got n={n}, val_n={val_n}")
-    out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:  # a file where a folder must be, no permission
-        raise DataError(f"cannot make the output folder {str(out)!r}: {err.strerror}") from None
-    train = write_rows_parquet(synthetic.make_rows(task, n, seed, "train"), out / train_name)
-    val = write_rows_parquet(synthetic.make_rows(task, val_n, seed, "val"), out / val_name)
-    return train, val
-
-
-def ensure_synthetic_data(
-    task: str, out_dir: str | os.PathLike[str], train_size: int, val_size: int, seed: int
-) -> tuple[Path, Path]:
-    """The train and validation parquet files of a synthetic task, written on first use, then reused.
-
-    The file names carry (task, size, seed) and the generator's source (engine.models.loading.source_digest), so
-    a run with other settings, or after an edit to the generator, never reuses stale files.
-    """
-    from engine.models.loading import source_digest
-
-    out = Path(out_dir)
-    digest = source_digest(Path(synthetic.__file__))
-    train = out / f"{task}_train_n{train_size}_seed{seed}_{digest}.parquet"
-    val = out / f"{task}_val_n{val_size}_seed{seed}_{digest}.parquet"
-    if train.exists() and val.exists():
-        return train, val
-    return make_synthetic_files(
-        task, out, n=train_size, val_n=val_size, seed=seed, train_name=train.name, val_name=val.name
-    )

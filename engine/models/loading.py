@@ -1,8 +1,8 @@
 """Causal LMs and their tokenizers: where a model comes from, how it loads (without dropout).
 
 `model.path` is a local Hugging Face directory, a hub id (only where the machine is online, or already
-in the hub cache when `HF_HUB_OFFLINE` is set), or "tiny": the project's own small model
-(engine/tiny.py), built for the task on first use and cached under `$RLFLOW_CACHE/models/`.
+in the hub cache when `HF_HUB_OFFLINE` is set). "tiny", the project's own small model, is built by
+the flows layer (engine.demo.tiny.resolve_model_path) before the engine sees the config.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from engine.errors import ConfigError, RLFlowError
 log = logging.getLogger("rlflow.models")
 
 TINY = "tiny"
+TINY_HERE = ("{key}=tiny is the project's own demo model, which the flows layer builds (engine.demo.tiny) "
+             "before the engine sees the config: the engine loads a model directory or a hub id")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TRUE = {"1", "ON", "YES", "TRUE"}
@@ -59,26 +61,24 @@ def hub_offline() -> bool:
     return any(os.environ.get(k, "").upper() in _TRUE for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
 
 
-def resolve_model_path(model_cfg: ModelConfig, task: str, kernels: dict[str, str] | None = None) -> str:
-    """A directory or hub id that `from_pretrained` can load; "tiny" is built (once) for `task`, with the
-    CPU kernels `kernels` pins (engine.cpu_kernels.kernel_env; default: this process's)."""
+def resolve_model_path(model_cfg: ModelConfig) -> str:
+    """A directory or hub id that `from_pretrained` can load. "tiny" is refused: the flows layer builds it
+    (engine.demo.tiny.resolve_model_path) and hands the engine its directory."""
     seed = model_cfg.tiny_seed
     if model_cfg.path == TINY:
-        from engine import tiny  # engine.tiny imports this module
-
-        return str(tiny.cached_tiny(task, seed, kernels))
+        raise ConfigError(TINY_HERE.format(key="model.path"))
     if seed != ModelConfig.model_fields["tiny_seed"].default:
         raise ConfigError(f"model.tiny_seed={seed} is not allowed with model.path={model_cfg.path!r}: it seeds the "
                           "built tiny model only (model.path=tiny)")
     return _resolve_pretrained(model_cfg.path, what="model.path", probe="config.json")
 
 
-def resolve_tokenizer_path(model_cfg: ModelConfig, task: str, kernels: dict[str, str] | None = None) -> str:
-    """`model.tokenizer_path` when set, else the model's own directory."""
+def resolve_tokenizer_path(model_cfg: ModelConfig) -> str:
+    """`model.tokenizer_path` when set, else the model's own directory ("tiny" refused: see resolve_model_path)."""
     if model_cfg.tokenizer_path is None:
-        return resolve_model_path(model_cfg, task, kernels)
+        return resolve_model_path(model_cfg)
     if model_cfg.tokenizer_path == TINY:
-        return resolve_model_path(model_cfg.model_copy(update={"path": TINY}), task, kernels)
+        raise ConfigError(TINY_HERE.format(key="model.tokenizer_path"))
     return _resolve_pretrained(
         model_cfg.tokenizer_path, what="model.tokenizer_path", probe="tokenizer_config.json"
     )
@@ -282,17 +282,15 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> PreTrainedT
     return prepare_tokenizer(tokenizer)
 
 
-def load_model_and_tokenizer(
-    model_cfg: ModelConfig, task: str
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Both halves of `model_cfg`, resolved for `task` (which only matters for "tiny")."""
+def load_model_and_tokenizer(model_cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Both halves of `model_cfg` (a directory or hub id each: see resolve_model_path)."""
     model = load_model(
-        resolve_model_path(model_cfg, task),
+        resolve_model_path(model_cfg),
         dtype=model_cfg.dtype,
         trust_remote_code=model_cfg.trust_remote_code,
     )
     tokenizer = load_tokenizer(
-        resolve_tokenizer_path(model_cfg, task), trust_remote_code=model_cfg.trust_remote_code
+        resolve_tokenizer_path(model_cfg), trust_remote_code=model_cfg.trust_remote_code
     )
     align_generation_config(model, tokenizer)
     return model, tokenizer

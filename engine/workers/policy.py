@@ -32,7 +32,7 @@ from engine.config import RolloutConfig
 from engine.models import lora
 from engine.models.loading import dropout_left, load_model, load_tokenizer
 from engine.models.tokens import cache_argument, packed_inputs, positions, stop_token_ids
-from engine.reward_model import RewardModelScorer, prompts_of
+from engine.rewards.reward_model import prompts_of
 from engine.rollout.backends import make_rollout
 from engine.rollout.base import SamplingParams
 from engine.rollout.multi_turn import generate_multi_turn
@@ -41,6 +41,7 @@ from engine.seeds import derive_seed
 from engine.state import weight_sync
 from engine.workers import fsdp
 from engine.workers.base import RankWorker, traced
+from engine.workers.reward_model_worker import RewardModelScorer
 from engine.workers.specs import PolicySpec
 
 SYNC_BUCKET_BYTES = 32 * 2**20  # rollout.name=vllm: the weights gathered per all-gather into the engine

@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from engine.config import ActorConfig, CriticConfig, RefConfig, RolloutConfig
-from engine.reward_model import RewardModelSpec
+from engine.rewards.reward_model import RewardModelSpec
 
 
 class PolicySpec(BaseModel):

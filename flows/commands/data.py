@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from engine.data.prompts import make_synthetic_files
-from engine.synthetic import TASKS
+from engine.demo.data import make_synthetic_files
+from engine.demo.synthetic import TASKS
 
 
 def register(sub: argparse._SubParsersAction) -> None:

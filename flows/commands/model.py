@@ -1,12 +1,12 @@
-"""`rlflow model make-tiny OUT_DIR`: build the project's own tiny model (engine/tiny.py).
-`rlflow model make-tiny-rm OUT_DIR`: build its tiny reward model (engine/reward_model.py)."""
+"""`rlflow model make-tiny OUT_DIR`: build the project's own tiny model (engine/demo/tiny.py).
+`rlflow model make-tiny-rm OUT_DIR`: build its tiny reward model (engine/demo/tiny_rm.py)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 
-from engine.synthetic import TASKS
+from engine.demo.synthetic import TASKS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,12 +21,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     make.add_argument("--seed", type=int, default=0, help="seed of the weights and the data (default 0)")
     make.add_argument("--family", default=None, choices=["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "gpt2"],
                       help="instead of the char-level Llama: a tiny random model of one of the Hub's families with a "
-                      "byte-level BPE tokenizer trained on the task and the family's chat template (engine/families.py)")
+                      "byte-level BPE tokenizer trained on the task and the family's chat template (engine/demo/families.py)")
     make.add_argument(
         "--steps",
         type=int,
         default=None,
-        help="supervised warm-start steps (default: tuned per task, engine.tiny.DEFAULT_STEPS; 0: untrained)",
+        help="supervised warm-start steps (default: tuned per task, engine.demo.tiny.DEFAULT_STEPS; 0: untrained)",
     )
     make.set_defaults(func=_make_tiny)
     rm = verbs.add_parser(
@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _make_tiny_rm(args: argparse.Namespace) -> int:
-    from engine.reward_model import RM_STEPS, build_tiny_rm
+    from engine.demo.tiny_rm import RM_STEPS, build_tiny_rm
 
     report = build_tiny_rm(args.out_dir, task=args.task, seed=args.seed,
                            steps=RM_STEPS if args.steps is None else args.steps)
@@ -53,11 +53,11 @@ def _make_tiny_rm(args: argparse.Namespace) -> int:
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
-    from engine import tiny  # torch and transformers load only for this command
+    from engine.demo import tiny  # torch and transformers load only for this command
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.family is not None:
-        from engine.families import build_family
+        from engine.demo.families import build_family
 
         out = build_family(args.family, args.out_dir, task=args.task, seed=args.seed)
         print(f"built {out}: a random {args.family} model with its tokenizer and chat template, task {args.task}")

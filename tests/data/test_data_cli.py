@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from engine.data.prompts import load_prompts
-from engine.synthetic import make_rows
+from engine.demo.synthetic import make_rows
 from flows.cli import main
 
 

@@ -16,13 +16,13 @@ import pytest
 from engine.config import DataConfig
 from engine.data.prompts import (
     PromptDataset,
-    ensure_synthetic_data,
     filter_long_prompts,
     load_prompts,
     load_train_val,
     write_rows_parquet,
 )
 from engine.data.sampler import PromptSampler
+from engine.demo.data import ensure_synthetic_data
 from engine.errors import DataError
 
 
@@ -285,13 +285,16 @@ def test_write_rows_parquet_leaves_no_partial_file(tmp_path: Path) -> None:
 
 def test_load_train_val_from_config(tmp_path: Path) -> None:
     cfg = DataConfig(task="sort", train_size=40, val_size=8, max_prompt_length=12)
-    train, val = load_train_val(cfg, length_fn=message_length, synthetic_dir=tmp_path)
+    with pytest.raises(DataError, match="data.train_files is empty"):
+        load_train_val(cfg, length_fn=message_length)
+    synthetic = ensure_synthetic_data("sort", tmp_path, train_size=40, val_size=8, seed=0)
+    train, val = load_train_val(cfg, length_fn=message_length, synthetic_files=synthetic)
     assert val is not None and len(val) <= 8 and 0 < len(train) <= 40
     assert all(len(r.prompt[-1]["content"]) <= 12 for r in train)
     [written] = tmp_path.glob("sort_train_n40_seed0_*.parquet")  # the name ends with the generator's digest
     files = DataConfig(train_files=[str(written)])
-    train, val = load_train_val(files, length_fn=message_length, synthetic_dir=tmp_path / "unused")
-    assert val is None and len(train) == 40 and not (tmp_path / "unused").exists()
+    train, val = load_train_val(files, length_fn=message_length)
+    assert val is None and len(train) == 40
 
 
 def test_truncation_error_names_the_first_long_row(tmp_path: Path) -> None:
@@ -305,9 +308,9 @@ def test_truncation_error_names_the_first_long_row(tmp_path: Path) -> None:
 
 def test_truncation_left_and_right_cut_the_encoded_prompt(tmp_path: Path) -> None:
     """left keeps the last tokens (the end of the conversation and the generation prompt), right the first."""
+    from engine.demo.tiny import build_tokenizer
     from engine.models.loading import load_tokenizer
     from engine.models.tokens import encode_prompts
-    from engine.tiny import build_tokenizer
 
     tok = build_tokenizer()
     tok.save_pretrained(tmp_path / "tok")

@@ -13,11 +13,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.batch import Batch
 from engine.config import ActorConfig, CriticConfig, RolloutConfig
+from engine.demo.synthetic import make_rows
 from engine.engine import Engine, EngineSpec
 from engine.errors import EngineDeadError, EngineError, EngineHungError, VersionMismatchError
 from engine.models.loading import load_tokenizer
 from engine.models.tokens import encode_prompts
-from engine.synthetic import make_rows
 from engine.workers.critic import CriticSpec
 from engine.workers.group import list_engines
 from engine.workers.policy import PolicySpec
@@ -267,7 +267,7 @@ def test_responses_of_1024_tokens_and_their_clip_ratio(ray_address: str, tmp_pat
     generated and trained on (token-budget micro-batches), and response_length/clip_ratio is the share
     of responses that hit the limit."""
     from engine.advantage import data_metrics
-    from engine.families import build_family
+    from engine.demo.families import build_family
 
     model = build_family("qwen2", tmp_path / "qwen2", task="arith")
     spec = make_spec(model, "long-responses", use_ref=False, max_tokens_per_micro_batch=2400)

@@ -34,10 +34,10 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 from engine import algos
 from engine.batch import Batch
 from engine.config import ActorConfig, CriticConfig, RolloutConfig
+from engine.demo.synthetic import make_rows
 from engine.engine import Engine, EngineSpec
 from engine.models.loading import load_tokenizer
 from engine.models.tokens import encode_prompts
-from engine.synthetic import make_rows
 from engine.workers.critic import CriticSpec, response_values
 from engine.workers.policy import PolicySpec, response_logits
 

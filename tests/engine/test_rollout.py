@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+from engine.demo.synthetic import make_rows
 from engine.models.loading import load_model, load_tokenizer
 from engine.models.tokens import encode_prompts, stop_token_ids
 from engine.rollout.base import SamplingParams
 from engine.rollout.hf import HFRollout, sample_next
-from engine.synthetic import make_rows
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from engine.config import VllmConfig
+from engine.demo.synthetic import make_rows
 from engine.models.loading import load_model, load_tokenizer
 from engine.models.tokens import encode_prompts, positions, stop_token_ids
 from engine.rollout.backends import make_rollout
 from engine.rollout.base import SamplingParams
 from engine.rollout.hf import HFRollout, sampling_logits
-from engine.synthetic import make_rows
 
 
 @pytest.fixture(scope="module")

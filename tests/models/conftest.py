@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.tiny import TinyReport, build_tiny
+from engine.demo.tiny import TinyReport, build_tiny
 
 QUICK_STEPS = 3  # enough to exercise the warm start; the model stays nearly untrained
 

@@ -13,9 +13,10 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from engine import tiny
 from engine.config import ModelConfig
 from engine.cpu_kernels import AVX2_ENV, has_avx2, kernel_env, kernel_tag
+from engine.demo import tiny
+from engine.demo.tiny import resolve_model_path
 from engine.errors import ConfigError
 from engine.models.loading import (
     ModelLoadError,
@@ -23,7 +24,6 @@ from engine.models.loading import (
     load_model_and_tokenizer,
     load_tokenizer,
     prepare_tokenizer,
-    resolve_model_path,
 )
 from engine.models.tokens import decode_responses, encode_prompts, prompt_lengths, prompt_text
 
@@ -100,7 +100,7 @@ def test_decode_responses_cuts_at_eos_and_drops_pads(tiny_dir: Path) -> None:
 
 
 def test_generate_with_the_loaded_pair(tiny_dir: Path) -> None:
-    model, tokenizer = load_model_and_tokenizer(ModelConfig(path=str(tiny_dir)), task="arith")
+    model, tokenizer = load_model_and_tokenizer(ModelConfig(path=str(tiny_dir)))
     enc = encode_prompts(tokenizer, [CHAT, [{"role": "user", "content": "1+1="}]])
     out = model.generate(
         input_ids=enc.input_ids, attention_mask=enc.attention_mask, max_new_tokens=4, do_sample=False
@@ -212,7 +212,7 @@ def test_response_logits_skips_all_pad_columns_and_keeps_real_token_logits(tiny_
     from engine.batch import Batch
     from engine.workers.policy import response_logits
 
-    model, tokenizer = load_model_and_tokenizer(ModelConfig(path=str(tiny_dir)), task="arith")
+    model, tokenizer = load_model_and_tokenizer(ModelConfig(path=str(tiny_dir)))
     enc = encode_prompts(tokenizer, [[{"role": "user", "content": "12+3="}], [{"role": "user", "content": "1+2="}]])
     pad = tokenizer.pad_token_id
     # Two extra left-pad columns in every row, responses of 3 and 1 tokens padded to 6.
@@ -244,7 +244,7 @@ def test_shared_prompt_forward_equals_the_padded_forward_with_gradients(tiny_dir
     from engine.batch import Batch
     from engine.workers.policy import response_logits
 
-    model, tokenizer = load_model_and_tokenizer(ModelConfig(path=str(tiny_dir)), task="arith")
+    model, tokenizer = load_model_and_tokenizer(ModelConfig(path=str(tiny_dir)))
     texts = ["12+3=", "1+2=", "123+45="]
     enc = encode_prompts(tokenizer, [[{"role": "user", "content": t}] for t in texts])
     which = [0, 1, 0, 2, 1, 0, 1]  # 3 distinct prompts over 7 rows, in mixed order
@@ -288,7 +288,7 @@ def test_shared_prompt_forward_runs_two_passes_whatever_the_data(tiny_dir: Path)
     from engine.batch import Batch
     from engine.workers.policy import response_logits
 
-    model, tokenizer = load_model_and_tokenizer(ModelConfig(path=str(tiny_dir)), task="arith")
+    model, tokenizer = load_model_and_tokenizer(ModelConfig(path=str(tiny_dir)))
     enc = encode_prompts(tokenizer, [[{"role": "user", "content": t}] for t in ("12+3=", "1+2=", "123+45=")])
     responses = torch.tensor([[5, 0, 0], [6, 0, 0], [7, 0, 0]])
     response_mask = torch.tensor([[1, 0, 0], [1, 0, 0], [1, 0, 0]])
@@ -322,7 +322,7 @@ def test_every_layout_reads_a_multi_turn_response_with_its_observations(tiny_dir
     from engine.batch import Batch
     from engine.workers.policy import response_logits
 
-    model, tokenizer = load_model_and_tokenizer(ModelConfig(path=str(tiny_dir)), task="arith")
+    model, tokenizer = load_model_and_tokenizer(ModelConfig(path=str(tiny_dir)))
     enc = encode_prompts(tokenizer, [[{"role": "user", "content": t}] for t in ("12+3=", "1+2=")])
     which = [0, 0, 1]
     responses = torch.randint(3, 20, (3, 8), generator=torch.Generator().manual_seed(0))

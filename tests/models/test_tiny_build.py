@@ -10,9 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine import tiny
-from engine.errors import ConfigError, RLFlowError
-from engine.tiny import (
+from engine.demo import tiny
+from engine.demo.tiny import (
     TinyReport,
     build_tiny,
     exact_answer_rate,
@@ -21,6 +20,7 @@ from engine.tiny import (
     read_report,
     weights_sha256,
 )
+from engine.errors import ConfigError, RLFlowError
 from flows.commands import model as model_command
 
 
@@ -89,7 +89,7 @@ def test_other_tasks_build_and_evaluate(tmp_path: Path, task: str) -> None:
     assert report.task == task
     rate = exact_answer_rate(tmp_path / task, task, n=8, seed=0)
     # by hand: each of the 8 val rows alone (no padding), plain greedy generate, the task's own check
-    from engine.synthetic import make_rows
+    from engine.demo.synthetic import make_rows
 
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / task)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / task).eval()

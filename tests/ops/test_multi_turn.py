@@ -42,7 +42,7 @@ TOOLS = Path(__file__).resolve().parents[1] / "pipeline" / "tools.py"
 
 @pytest.fixture(scope="session")
 def calc_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.tiny import build_tiny
+    from engine.demo.tiny import build_tiny
 
     out = tmp_path_factory.mktemp("calc") / "model"
     build_tiny(out, task="calc", seed=0, steps=SFT_STEPS)

@@ -388,7 +388,7 @@ def fingerprint(folder: Path) -> dict[str, str]:
 def inputs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """What the values name: another model (one weight changed), another tokenizer (another chat
     template), prompt files in verl's layout, another reward."""
-    from engine.data.prompts import ensure_synthetic_data
+    from engine.demo.data import ensure_synthetic_data
 
     root = tmp_path_factory.mktemp("every-field")
     other = root / "other-model"

@@ -1,4 +1,4 @@
-"""Any causal LM of the Hub's common families: a tiny random model of each (engine/families.py: its own
+"""Any causal LM of the Hub's common families: a tiny random model of each (engine/demo/families.py: its own
 byte-level BPE tokenizer, chat template, eos and pad tokens, tied embeddings or not) trains one GRPO
 iteration (and a validation) on 2 ranks through the pipeline, and its export loads with plain `transformers`."""
 
@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.batch import Batch
-from engine.families import FAMILIES, build_family
-from engine.synthetic import make_rows
+from engine.demo.families import FAMILIES, build_family
+from engine.demo.synthetic import make_rows
 from tests.services import WarmCli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -17,10 +17,9 @@ import torch
 from safetensors.torch import load_file
 
 from engine.batch import Batch
-from engine.reward_model import (
+from engine.demo.tiny_rm import TinyRMReport, build_tiny_rm
+from engine.rewards.reward_model import (
     RewardModelSpec,
-    TinyRMReport,
-    build_tiny_rm,
     conversation_text,
     encode_conversations,
     load_reward_model,
@@ -64,7 +63,7 @@ def direct_scores(rm: Path, prompts: list, responses: list[str]) -> torch.Tensor
 
 
 def assert_scored_by_the_model(run: Run, rm: Path) -> None:
-    from engine.synthetic import make_rows
+    from engine.demo.synthetic import make_rows
 
     rows = make_rows("sort", 64, 0, split="train")
     for i in range(1, run.iterations + 1):

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from engine.demo.synthetic import make_rows, solution_text
 from engine.errors import RewardError
 from engine.rewards import score_batch
 from engine.rewards.python_expr import check_expression, extract_expression, parse_target
-from engine.synthetic import make_rows, solution_text
 
 TRUTH = json.dumps({"target": 11, "numbers": [3, 5, 4]})
 

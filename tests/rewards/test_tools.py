@@ -79,9 +79,9 @@ def test_calculator() -> None:
 
 
 def test_the_tools_reach_a_chat_template_that_renders_them() -> None:
+    from engine.demo.tiny import build_tokenizer
     from engine.models.tokens import encode_prompts, prompt_lengths, prompt_text
     from engine.rollout.tools import describe
-    from engine.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     tokenizer.chat_template = ("{% if tools %}{% for t in tools %}[{{ t.function.name }}: {{ t.function.description }}]"
@@ -148,14 +148,14 @@ def test_json_literals_reach_the_tool_as_the_python_values_json_means() -> None:
 
 
 # -- observations as the model's chat template writes them (issue 28, item 1) -----------------------------
-# engine/families.py's qwen2 and llama tokenizers carry templates written to render like the published
+# engine/demo/families.py's qwen2 and llama tokenizers carry templates written to render like the published
 # Qwen2.5 and Llama 3.1 ones, tool turns included; qwen3's is a generic ChatML that writes any role alike.
 
 CALL = {"name": "calculator", "arguments": {"expression": "2+3"}}
 
 
 def _tokenizer(family: str):  # noqa: ANN202
-    from engine.families import FAMILIES, build_tokenizer, task_corpus
+    from engine.demo.families import FAMILIES, build_tokenizer, task_corpus
 
     return build_tokenizer(FAMILIES[family], task_corpus("sort", 0, rows=50))
 

@@ -49,11 +49,13 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from engine.config import ModelConfig
 from engine.cpu_kernels import AVX2_ENV, kernel_tag, pinned_here
+from engine.demo.synthetic import TASKS, make_rows, solution_text
 from engine.errors import ConfigError, RLFlowError
+from engine.models import loading
 from engine.models.loading import cache_dir, load_model, load_tokenizer, source_digest
 from engine.models.tokens import decode_responses, encode_prompts, prompt_text
-from engine.synthetic import TASKS, make_rows, solution_text
 
 # What a cached build's name carries of the code that made it: the builder's own source and the
 # libraries' versions (engine.models.loading.source_digest), so an edited builder never reuses an old build.
@@ -389,7 +391,7 @@ def build_tiny(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         report = _build_into(tmp, task, seed, steps, shape)
-        _readable(tmp)
+        readable(tmp)
         os.rename(tmp, out)  # atomic; replaces an empty directory, fails on a full one
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -407,7 +409,7 @@ def _build_into(directory: Path, task: str, seed: int, steps: int, shape: TinySh
         rate = exact_answer_rate(directory, task, model=model, tokenizer=tokenizer)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    _portable_tokenizer_class(directory)
+    portable_tokenizer_class(directory)
     report = TinyReport(
         task=task,
         seed=seed,
@@ -425,14 +427,14 @@ def _build_into(directory: Path, task: str, seed: int, steps: int, shape: TinySh
     return report
 
 
-def _readable(directory: Path) -> None:
+def readable(directory: Path) -> None:
     # mkdtemp makes the directory private (0700); a shared model cache should not be.
     directory.chmod(0o755)
     for path in directory.iterdir():
         path.chmod(0o644)
 
 
-def _portable_tokenizer_class(directory: Path) -> None:
+def portable_tokenizer_class(directory: Path) -> None:
     # transformers 5 writes its own class name (TokenizersBackend); "PreTrainedTokenizerFast" loads in
     # transformers 5 and in the 4.x a vLLM install may bring.
     path = directory / "tokenizer_config.json"
@@ -485,15 +487,34 @@ def build_in_subprocess(path: Path, task: str, seed: int, kernels: dict[str, str
     """`build_tiny` in a new Python process that starts with `kernels` in place of this one's."""
     env = {key: value for key, value in os.environ.items() if key not in AVX2_ENV}
     env.update(kernels)
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # the checkout: engine/demo/tiny.py
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
     argv = [str(path), task, str(seed), *([] if steps is None else [str(steps)])]
-    done = subprocess.run([sys.executable, "-m", "engine.tiny", *argv], env=env,
+    done = subprocess.run([sys.executable, "-m", "engine.demo.tiny", *argv], env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise RLFlowError(f"building the tiny {task} model (seed {seed}) failed: {last}")
 
 
-if __name__ == "__main__":  # python -m engine.tiny OUT TASK SEED [STEPS]: a build in a process of its own
+
+def resolve_model_path(model_cfg: ModelConfig, task: str, kernels: dict[str, str] | None = None) -> str:
+    """engine.models.loading.resolve_model_path, with model.path=tiny built (once) for `task` with the CPU
+    kernels `kernels` pins (engine.cpu_kernels.kernel_env; default: this process's). The flows layer calls
+    this, so the engine only ever sees a directory or a hub id."""
+    if model_cfg.path == loading.TINY:
+        return str(cached_tiny(task, model_cfg.tiny_seed, kernels))
+    return loading.resolve_model_path(model_cfg)
+
+
+def resolve_tokenizer_path(model_cfg: ModelConfig, task: str, kernels: dict[str, str] | None = None) -> str:
+    """`model.tokenizer_path` when set (tiny: the tiny model's), else the model's own directory."""
+    if model_cfg.tokenizer_path is None:
+        return resolve_model_path(model_cfg, task, kernels)
+    if model_cfg.tokenizer_path == loading.TINY:
+        return resolve_model_path(model_cfg.model_copy(update={"path": loading.TINY}), task, kernels)
+    return loading.resolve_tokenizer_path(model_cfg)
+
+
+if __name__ == "__main__":  # python -m engine.demo.tiny OUT TASK SEED [STEPS]: a build in a process of its own
     build_tiny(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else None)

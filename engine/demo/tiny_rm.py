@@ -1,25 +1,14 @@
-"""Learned reward models: a sequence classifier with one score that reads `prompt + response` as text.
+"""The project's own tiny reward model (`rlflow model make-tiny-rm`).
 
-    scorer = RewardModelScorer(RewardModelSpec(path="runs/tiny-rm"))   # in a rank: sharded with FSDP2
-    scores = scorer.score(prompts, responses)                          # [B] float32
-
-The model is an `AutoModelForSequenceClassification` with `num_labels=1` (the score of the last real
-token), loaded without dropout. It reads the conversation through its OWN tokenizer and chat template:
-the prompt's messages plus the response as the assistant's turn, rendered and tokenized from text. The
-policy's token ids are never reused, so a reward model with another vocabulary or template scores the
-same conversation (verl's reward model worker does the same when the tokenizers differ).
-
-`build_tiny_rm` makes the project's own tiny reward model from the tiny sort policy, as reward models
-are made from an SFT model: for the sort task, trained with a Bradley-Terry loss on preference pairs in
-which the response that puts more digits in their sorted place is preferred (pairs of the policy's own
-samples and synthetic candidates). Deterministic: the same (task, seed, steps) gives the same weights on
-one machine.
+`build_tiny_rm` makes it from the tiny sort policy, as reward models are made from an SFT model: for the
+sort task, trained with a Bradley-Terry loss on preference pairs in which the response that puts more
+digits in their sorted place is preferred (pairs of the policy's own samples and synthetic candidates).
+Deterministic: the same (task, seed, steps) gives the same weights on one machine.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import shutil
@@ -33,143 +22,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, Field
 
+from engine.demo.synthetic import make_rows
 from engine.errors import ConfigError, RLFlowError
-from engine.models.loading import (
-    ModelLoadError,
-    first_line,
-    hub_offline,
-    load_tokenizer,
-    torch_dtype,
-    without_dropout,
-    zero_dropout,
-)
+from engine.models.loading import load_tokenizer
+from engine.rewards.reward_model import conversation_text, encode_conversations, sequence_scores
 from engine.rewards.rules import sort_score
-from engine.synthetic import make_rows
-
-Prompt = str | list[dict[str, Any]]
-
-
-class RewardModelSpec(BaseModel):
-    """What a rank needs to load and run the reward model (from reward.model)."""
-
-    path: str
-    tokenizer_path: str | None = None
-    dtype: str = "float32"
-    trust_remote_code: bool = False
-    micro_batch_size: int = Field(32, gt=0)
-    max_length: int = Field(512, gt=0)
-
-
-def check_reward_model(path: str, trust_remote_code: bool = False) -> None:
-    """ConfigError unless `path` holds a sequence classifier with one label (checked before launch)."""
-    from transformers import AutoConfig
-
-    local = hub_offline() or Path(path).expanduser().is_dir()
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=local)
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"reward.model.path={path!r}: cannot read its config: {first_line(err)}") from err
-    archs = list(getattr(config, "architectures", None) or [])
-    if not any(a.endswith("ForSequenceClassification") for a in archs):
-        raise ConfigError(f"reward.model.path={path!r} is {', '.join(archs) or 'a model without architectures'}, "
-                          "not a sequence classifier: a reward model is an AutoModelForSequenceClassification "
-                          "with num_labels=1 (one score per sequence)")
-    if int(getattr(config, "num_labels", 0)) != 1:
-        raise ConfigError(f"reward.model.path={path!r} has num_labels={config.num_labels}: a reward model "
-                          "scores with one label")
-
-
-def load_reward_model(spec: RewardModelSpec) -> Any:
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
-    check_reward_model(spec.path, spec.trust_remote_code)
-    local = hub_offline() or Path(spec.path).expanduser().is_dir()
-    try:
-        config = AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code,
-                                            local_files_only=local)
-        model = AutoModelForSequenceClassification.from_pretrained(
-            spec.path, config=without_dropout(config), dtype=torch_dtype(spec.dtype),
-            trust_remote_code=spec.trust_remote_code, local_files_only=local)
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"cannot load the reward model from {spec.path!r}: {first_line(err)}") from err
-    zero_dropout(model)
-    model.requires_grad_(False)
-    return model.eval()
-
-
-def conversation_text(tokenizer: Any, prompt: Prompt, response: str) -> str:
-    """The conversation as the reward model reads it: its chat template over the prompt's messages and
-    the response as the assistant's turn; plain text (prompt, then response) without a template."""
-    if isinstance(prompt, str):
-        return prompt + response
-    messages = [dict(m) for m in prompt] + [{"role": "assistant", "content": response}]
-    if tokenizer.chat_template:
-        return str(tokenizer.apply_chat_template(messages, tokenize=False))
-    return "\n".join(m["content"] for m in messages)
-
-
-def encode_conversations(tokenizer: Any, texts: Sequence[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask) [B, L], right padded; a text over `max_length` tokens keeps its last
-    ones (the response and the end of the prompt are what the score reads)."""
-    ids = [tokenizer(t, add_special_tokens=False)["input_ids"][-max_length:] for t in texts]
-    width = max(len(x) for x in ids)
-    input_ids = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(ids), width), dtype=torch.long)
-    for i, row in enumerate(ids):
-        input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        mask[i, : len(row)] = 1
-    return input_ids, mask
-
-
-def sequence_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B] the score at each row's last real token (right padded rows)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, L, 1] or [B, 1]
-    if logits.dim() == 2:
-        return logits[:, 0].float()
-    last = attention_mask.sum(-1) - 1
-    return logits[torch.arange(len(last)), last, 0].float()
-
-
-class RewardModelScorer:
-    """The reward model in one rank, sharded with FSDP2 over the rank's process group."""
-
-    def __init__(self, spec: RewardModelSpec) -> None:
-        from engine.workers import fsdp
-
-        self.spec = spec
-        self.tokenizer = load_tokenizer(spec.tokenizer_path or spec.path, trust_remote_code=spec.trust_remote_code)
-        if self.tokenizer.pad_token_id is None:
-            raise ConfigError(f"the reward model's tokenizer ({spec.tokenizer_path or spec.path}) has no pad token")
-        self.model = fsdp.shard_model(load_reward_model(spec))
-
-    @torch.no_grad()
-    def score(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> torch.Tensor:
-        """[B] scores of this rank's rows. Every rank runs as many forwards as the rank with the most
-        micro-batches (each forward all-gathers the shards); a rank short of rows runs a dummy one."""
-        from engine.workers import fsdp
-
-        texts = [conversation_text(self.tokenizer, p, r) for p, r in zip(prompts, responses)]
-        size = self.spec.micro_batch_size
-        count = int(fsdp.global_max(float(math.ceil(len(texts) / size))))
-        out = []
-        for i in range(count):
-            chunk = texts[i * size:(i + 1) * size]
-            ids, mask = encode_conversations(self.tokenizer, chunk or ["."], self.spec.max_length)
-            scores = sequence_scores(self.model, ids, mask)
-            if chunk:
-                out.append(scores)
-        return torch.cat(out) if out else torch.zeros(0)
-
-
-def prompts_of(column: Sequence[str]) -> list[Prompt]:
-    """Prompts as they travel in a Batch column: JSON text (a chat's messages, or a plain string)."""
-    return [json.loads(p) for p in column]
-
-
-# ---------------------------------------------------------------------------------------------------
-# the project's tiny reward model
 
 RM_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}Q: {{ m['content'] }}\n"
                "{% elif m['role'] == 'assistant' %}A: {{ m['content'] }}{% endif %}{% endfor %}")
@@ -267,20 +125,20 @@ def preference_pairs(task: str, n: int, seed: int, split: str, samples: list[lis
 
 def build_tiny_rm(out_dir: str | Path, task: str = "sort", seed: int = 0, steps: int = RM_STEPS) -> TinyRMReport:
     """Train the tiny reward model into `out_dir` (absent or empty), the way reward models are made from an
-    SFT model: the tiny sort policy's trunk (engine.tiny, built or taken from the cache) with a new score
+    SFT model: the tiny sort policy's trunk (engine.demo.tiny, built or taken from the cache) with a new score
     head (LlamaForSequenceClassification), its tokenizer with the reward model's own chat template
     ("Q: ...\nA: ..."), a Bradley-Terry loss -log sigmoid(r_chosen - r_rejected) on `steps` batches of
     pairs drawn from the policy's own samples and synthetic candidates."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from engine.models.loading import load_model
-    from engine.tiny import (
+    from engine.demo.tiny import (
         BUILD_THREADS,
-        _portable_tokenizer_class,
-        _readable,
         cached_tiny,
         deterministic_cpu,
+        portable_tokenizer_class,
+        readable,
     )
+    from engine.models.loading import load_model
 
     if steps < 0:
         raise ConfigError(f"steps must be >= 0, got {steps}")
@@ -312,12 +170,12 @@ def build_tiny_rm(out_dir: str | Path, task: str = "sort", seed: int = 0, steps:
         model.config.architectures = ["LlamaForSequenceClassification"]
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        _portable_tokenizer_class(tmp)
+        portable_tokenizer_class(tmp)
         report = TinyRMReport(task=task, seed=seed, steps=steps, held_out_pair_accuracy=round(accuracy, 4),
                               held_out_pairs=len(held_out), build_seconds=round(time.perf_counter() - started, 2),
                               num_parameters=sum(p.numel() for p in model.parameters()))
         (tmp / RM_REPORT).write_text(json.dumps(asdict(report), indent=2) + "\n")
-        _readable(tmp)
+        readable(tmp)
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -35,8 +35,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
+from engine.demo.synthetic import TASKS, make_rows, solution_text
 from engine.errors import ConfigError
-from engine.synthetic import TASKS, make_rows, solution_text
 
 VOCAB_SIZE = 512  # BPE merges learned on the task's text; the byte alphabet (256) is always in
 
