@@ -1,8 +1,8 @@
-"""Advantage estimators: one registry, one keyword-only signature.
+"""Advantage estimators: one registry, one declared input record (AdvInputs).
 
 Shapes: B batch (responses), T response tokens, G number of distinct groups (prompts).
 
-Every estimator takes the same arguments and returns `(adv [B, T], returns [B, T])`, both zero
+Every estimator takes one AdvInputs and returns `(adv [B, T], returns [B, T])`, both zero
 at positions where `response_mask` is 0. What an estimator needs beyond rewards is declared
 when it is registered (`needs_values`, `needs_baseline`, `group_based`) so the config layer and
 the driver check requirements from the registry, with no per-estimator branches.
@@ -14,35 +14,40 @@ docstring); outcome rewards are `sum_t token_rewards * response_mask`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from engine.algos.masked import masked_sum, masked_whiten
 
 
-class AdvEstimatorFn(Protocol):
-    """The one signature every advantage estimator implements."""
+@dataclass(frozen=True)
+class AdvInputs:
+    """What every estimator is given; each reads the fields it needs.
 
-    def __call__(
-        self,
-        *,
-        token_rewards: torch.Tensor,
-        response_mask: torch.Tensor,
-        group_ids: torch.Tensor,
-        values: torch.Tensor | None = None,
-        baseline: torch.Tensor | None = None,
-        gamma: float = 1.0,
-        lam: float = 1.0,
-        norm_by_std: bool = True,
-        eps: float = 1e-6,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    token_rewards, response_mask: [B, T]; group_ids: [B] (responses to one prompt share an id); values: [B, T]
+    (a critic's, for GAE); baseline: [B] (a reward per response, for ReMax); gamma, lam: discount and GAE's
+    lambda; norm_by_std: divide group-centred scores by the group's std; eps: added to that std.
+    """
+
+    token_rewards: torch.Tensor
+    response_mask: torch.Tensor
+    group_ids: torch.Tensor
+    values: torch.Tensor | None = None
+    baseline: torch.Tensor | None = None
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_by_std: bool = True
+    eps: float = 1e-6
+
+
+AdvEstimatorFn = Callable[[AdvInputs], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass(frozen=True)
 class AdvEstimator:
-    """A registered estimator and what it needs.
+    """A registered estimator and what it needs; called with AdvInputs' fields as keywords.
 
     needs_values: a critic's values [B, T] (GAE). needs_baseline: a per-response baseline
     reward [B] (ReMax's greedy response). group_based: statistics over responses sharing a
@@ -57,35 +62,15 @@ class AdvEstimator:
     group_based: bool = False
     reads: frozenset[str] = frozenset()
 
-    def __call__(
-        self,
-        *,
-        token_rewards: torch.Tensor,
-        response_mask: torch.Tensor,
-        group_ids: torch.Tensor,
-        values: torch.Tensor | None = None,
-        baseline: torch.Tensor | None = None,
-        gamma: float = 1.0,
-        lam: float = 1.0,
-        norm_by_std: bool = True,
-        eps: float = 1e-6,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Check the declared inputs are present, then run the estimator (shapes as in `fn`)."""
-        if self.needs_values and values is None:
+    @torch.no_grad()
+    def __call__(self, **inputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Check the declared inputs are present, then run the estimator: (adv [B, T], returns [B, T])."""
+        x = AdvInputs(**inputs)
+        if self.needs_values and x.values is None:
             raise ValueError(f"advantage estimator {self.name!r} needs values (a critic)")
-        if self.needs_baseline and baseline is None:
+        if self.needs_baseline and x.baseline is None:
             raise ValueError(f"advantage estimator {self.name!r} needs a baseline reward per response")
-        return self.fn(
-            token_rewards=token_rewards,
-            response_mask=response_mask,
-            group_ids=group_ids,
-            values=values,
-            baseline=baseline,
-            gamma=gamma,
-            lam=lam,
-            norm_by_std=norm_by_std,
-            eps=eps,
-        )
+        return self.fn(x)
 
 
 ADV_ESTIMATORS: dict[str, AdvEstimator] = {}
@@ -94,23 +79,19 @@ ADV_ESTIMATORS: dict[str, AdvEstimator] = {}
 def register_adv_estimator(
     name: str, *, needs_values: bool = False, needs_baseline: bool = False, group_based: bool = False,
     reads: tuple[str, ...] = (),
-) -> Callable[[AdvEstimatorFn], AdvEstimatorFn]:
-    """Decorator: add `fn` to ADV_ESTIMATORS under `name` with its requirements."""
+) -> Callable[[AdvEstimatorFn], AdvEstimator]:
+    """Decorator: add `fn` to ADV_ESTIMATORS under `name` with its requirements; returns the registered
+    estimator, so the module's name calls it with keywords as the registry does."""
 
-    def register(fn: AdvEstimatorFn) -> AdvEstimatorFn:
+    def register(fn: AdvEstimatorFn) -> AdvEstimator:
         if name in ADV_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered")
         if set(reads) - {"gamma", "lam", "norm_by_std"}:
             raise ValueError(f"advantage estimator {name!r}: reads={reads!r}; allowed: gamma, lam, norm_by_std")
-        ADV_ESTIMATORS[name] = AdvEstimator(
-            name=name,
-            fn=fn,
-            needs_values=needs_values,
-            needs_baseline=needs_baseline,
-            group_based=group_based,
-            reads=frozenset(reads),
-        )
-        return fn
+        estimator = AdvEstimator(name=name, fn=fn, needs_values=needs_values, needs_baseline=needs_baseline,
+                                 group_based=group_based, reads=frozenset(reads))
+        ADV_ESTIMATORS[name] = estimator
+        return estimator
 
     return register
 
@@ -167,115 +148,66 @@ def _broadcast(per_seq: torch.Tensor, response_mask: torch.Tensor) -> torch.Tens
 
 
 @register_adv_estimator("gae", needs_values=True, reads=("gamma", "lam"))
-@torch.no_grad()
-def gae(
-    *,
-    token_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: torch.Tensor,
-    values: torch.Tensor | None = None,
-    baseline: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(x: AdvInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation (Schulman et al. 2016, eq. 16; verl `compute_gae_advantage_return`).
 
     token_rewards, response_mask, values: [B, T] -> (adv [B, T] whitened over the mask,
     returns [B, T] = raw adv + values). Tokens with mask 0 (padding, or tool-output tokens in
     the middle of a multi-turn response) are skipped: value and running GAE carry through them.
     """
+    values, gamma, lam = x.values, x.gamma, x.lam
     if values is None:
         raise ValueError("gae needs values")
-    mask = response_mask.bool()
+    mask = x.response_mask.bool()
     next_value = torch.zeros_like(values[:, 0])  # [B]
     running = torch.zeros_like(values[:, 0])  # [B]
     adv_reversed = []
-    for t in reversed(range(token_rewards.shape[1])):
-        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+    for t in reversed(range(x.token_rewards.shape[1])):
+        delta = x.token_rewards[:, t] + gamma * next_value - values[:, t]
         next_value = torch.where(mask[:, t], values[:, t], next_value)
         running = torch.where(mask[:, t], delta + gamma * lam * running, running)
         adv_reversed.append(running)
     adv = torch.stack(adv_reversed[::-1], dim=1)  # T x [B] -> [B, T]
     returns = torch.where(mask, adv + values, torch.zeros_like(adv))
-    return masked_whiten(adv, response_mask) * response_mask, returns
+    return masked_whiten(adv, x.response_mask) * x.response_mask, returns
 
 
 @register_adv_estimator("grpo", group_based=True, reads=("norm_by_std",))
-@torch.no_grad()
-def grpo(
-    *,
-    token_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: torch.Tensor,
-    values: torch.Tensor | None = None,
-    baseline: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def grpo(x: AdvInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO group-relative advantage (Shao et al. 2024, DeepSeekMath sec. 4.1.2; verl
     `compute_grpo_outcome_advantage`): (r - mean_g) / (std_g + eps), std unbiased.
 
     token_rewards, response_mask: [B, T], group_ids: [B] -> (adv, returns) [B, T], equal.
     `norm_by_std=False` drops the division (Dr. GRPO, Liu et al. 2025).
     """
-    scores = outcome_scores(token_rewards, response_mask)  # [B]
-    mean, std = group_mean_std(scores, group_ids)  # [B], [B]
+    scores = outcome_scores(x.token_rewards, x.response_mask)  # [B]
+    mean, std = group_mean_std(scores, x.group_ids)  # [B], [B]
     centered = scores - mean
-    adv = _broadcast(centered / (std + eps) if norm_by_std else centered, response_mask)
+    adv = _broadcast(centered / (std + x.eps) if x.norm_by_std else centered, x.response_mask)
     return adv, adv
 
 
 @register_adv_estimator("dr_grpo", group_based=True)
-@torch.no_grad()
-def dr_grpo(
-    *,
-    token_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: torch.Tensor,
-    values: torch.Tensor | None = None,
-    baseline: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def dr_grpo(x: AdvInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Dr. GRPO (Liu et al. 2025, arXiv 2503.20783, sec. 3.1): r - mean_g.
 
     GRPO with `norm_by_std` forced False, whatever is passed. Shapes as in `grpo`.
     """
-    return grpo(
-        token_rewards=token_rewards, response_mask=response_mask, group_ids=group_ids, norm_by_std=False
-    )
+    return grpo.fn(replace(x, norm_by_std=False))
 
 
 @register_adv_estimator("rloo", group_based=True)
-@torch.no_grad()
-def rloo(
-    *,
-    token_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: torch.Tensor,
-    values: torch.Tensor | None = None,
-    baseline: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rloo(x: AdvInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE leave-one-out (Ahmadian et al. 2024, arXiv 2402.14740; verl `compute_rloo_outcome_advantage`):
     r_i - (sum_g - r_i) / (n_g - 1).
 
     token_rewards, response_mask: [B, T], group_ids: [B] -> (adv, returns) [B, T], equal.
     A one-sample group has no other sample: baseline 0, so adv = r (as verl's `rloo`).
     """
-    scores = outcome_scores(token_rewards, response_mask)  # [B]
-    sums, counts = _group_sums(scores, group_ids)  # [B], [B]
+    scores = outcome_scores(x.token_rewards, x.response_mask)  # [B]
+    sums, counts = _group_sums(scores, x.group_ids)  # [B], [B]
     leave_one_out = (sums - scores) / (counts - 1).clamp_min(1.0)
-    adv = _broadcast(torch.where(counts > 1, scores - leave_one_out, scores), response_mask)
+    adv = _broadcast(torch.where(counts > 1, scores - leave_one_out, scores), x.response_mask)
     return adv, adv
 
 
@@ -297,76 +229,40 @@ def _discounted_returns(
 
 
 @register_adv_estimator("reinforce_plus_plus", reads=("gamma",))
-@torch.no_grad()
-def reinforce_plus_plus(
-    *,
-    token_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: torch.Tensor,
-    values: torch.Tensor | None = None,
-    baseline: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def reinforce_plus_plus(x: AdvInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025, arXiv 2501.03262, sec. 3; verl `compute_reinforce_plus_plus_outcome_advantage`):
     discounted return per token, whitened over the whole batch.
 
     token_rewards, response_mask: [B, T] -> (adv [B, T] whitened, returns [B, T] unwhitened).
     """
-    returns = _discounted_returns(token_rewards, response_mask, gamma) * response_mask
-    return masked_whiten(returns, response_mask) * response_mask, returns
+    returns = _discounted_returns(x.token_rewards, x.response_mask, x.gamma) * x.response_mask
+    return masked_whiten(returns, x.response_mask) * x.response_mask, returns
 
 
 @register_adv_estimator("reinforce_plus_plus_baseline", group_based=True)
-@torch.no_grad()
-def reinforce_plus_plus_baseline(
-    *,
-    token_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: torch.Tensor,
-    values: torch.Tensor | None = None,
-    baseline: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def reinforce_plus_plus_baseline(x: AdvInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline (Hu 2025, arXiv 2501.03262; verl
     `compute_reinforce_plus_plus_baseline_outcome_advantage`): r - mean_g, then whitened over
     every token of the batch (a one-sample group has mean 0).
 
     token_rewards, response_mask: [B, T], group_ids: [B] -> (adv, returns) [B, T], equal.
     """
-    scores = outcome_scores(token_rewards, response_mask)  # [B]
-    mean, _ = group_mean_std(scores, group_ids)
-    adv = _broadcast(scores - mean, response_mask)
-    adv = masked_whiten(adv, response_mask) * response_mask
+    scores = outcome_scores(x.token_rewards, x.response_mask)  # [B]
+    mean, _ = group_mean_std(scores, x.group_ids)
+    adv = _broadcast(scores - mean, x.response_mask)
+    adv = masked_whiten(adv, x.response_mask) * x.response_mask
     return adv, adv
 
 
 @register_adv_estimator("remax", needs_baseline=True)
-@torch.no_grad()
-def remax(
-    *,
-    token_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    group_ids: torch.Tensor,
-    values: torch.Tensor | None = None,
-    baseline: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def remax(x: AdvInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax (Li et al. 2024, arXiv 2310.10505; verl `compute_remax_outcome_advantage`):
     undiscounted reward-to-go minus the greedy response's reward.
 
     token_rewards, response_mask: [B, T], baseline: [B] -> (adv [B, T], returns [B, T]).
     """
-    if baseline is None:
+    if x.baseline is None:
         raise ValueError("remax needs a baseline (the greedy response's reward)")
     # Reverse cumulative sum along T: flip, cumsum, flip back. [B, T] -> [B, T]
-    returns = (token_rewards * response_mask).flip(-1).cumsum(-1).flip(-1)
-    return returns - _broadcast(baseline.to(returns.dtype), response_mask), returns
+    returns = (x.token_rewards * x.response_mask).flip(-1).cumsum(-1).flip(-1)
+    return returns - _broadcast(x.baseline.to(returns.dtype), x.response_mask), returns

@@ -365,7 +365,7 @@ def test_registry_specs():
         "reinforce_plus_plus_baseline",
     }
     assert all(s.name == n for n, s in ADV_ESTIMATORS.items())
-    assert get_adv_estimator("grpo").fn is grpo
+    assert get_adv_estimator("grpo") is grpo
 
 
 def test_registry_checks_declared_inputs():
