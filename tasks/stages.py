@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import time
-from typing import Any
+from typing import Any, cast
 
 import ray
 import torch
@@ -99,6 +99,27 @@ def stage_task(name: str, cache: bool = True) -> Any:
 TASKS: dict[str, Any] = {}
 
 
+def graph_stage(name: str, cache: bool = True) -> Any:
+    """A stage of the iteration graph, as a Prefect task of (plan, iteration, stage, inputs, kl_coef): the
+    KL controller's coefficient is for the advantages. Every stage starts the same way: its context, an
+    injected fault if the run's debug settings ask for one, and, for a stage that writes a buffer, the
+    complete buffer a previous attempt left. Then `body(ctx, iteration, stage, inputs, kl_coef)`."""
+    def wrap(body: Any) -> Any:
+        def run(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                kl_coef: float = 0.0) -> StageResult:
+            ctx = context(plan)
+            maybe_fail(ctx, stage.name, iteration)
+            if stage.buffer is not None and (done := _reuse(ctx, iteration, stage)) is not None:
+                return done
+            return cast(StageResult, body(ctx, iteration, stage, inputs, kl_coef))
+
+        # Prefect reads the task's parameters from `run`'s signature, so not functools.wraps (it would
+        # point the signature at `body`'s).
+        run.__name__, run.__qualname__, run.__doc__ = body.__name__, body.__qualname__, body.__doc__
+        return stage_task(name, cache)(run)
+    return wrap
+
+
 def task_for(stage: StageSpec) -> Any:
     """The Prefect task that runs `stage`, named as the stage (a user stage's task takes its name)."""
     found = TASKS[stage.task]
@@ -152,19 +173,12 @@ def _merge(batches: list[Batch]) -> Batch:
     return merged
 
 
-# Every stage of the iteration graph has this signature: the run, the iteration, its declaration, the
-# results of the stages it reads from, and the KL controller's coefficient (used by the advantages).
-
 # -- rollout ---------------------------------------------------------------------------------------
 
-@stage_task("generate_rollouts")
-def generate_rollouts(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
-                      kl_coef: float = 0.0) -> StageResult:
+@graph_stage("generate_rollouts")
+def generate_rollouts(ctx: StageContext, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                      kl_coef: float) -> StageResult:
     """Iteration k's prompts, n sampled responses each, from the policy at version k-1."""
-    ctx = context(plan)
-    maybe_fail(ctx, stage.name, iteration)
-    if (done := _reuse(ctx, iteration, stage)) is not None:
-        return done
     version = ctx.rollout_version(iteration)
     start = time.perf_counter()
     if ctx.plan.algorithm.filter_groups:
@@ -258,15 +272,11 @@ def sampler_start(ctx: StageContext, iteration: int) -> int:
     return int(read_buffer(ctx.store, ref).meta["metrics"]["sampling/next_step"])
 
 
-@stage_task("generate_baseline")
-def generate_baseline(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
-                      kl_coef: float = 0.0) -> StageResult:
+@graph_stage("generate_baseline")
+def generate_baseline(ctx: StageContext, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                      kl_coef: float) -> StageResult:
     """ReMax's baseline (Li et al. 2023, arXiv 2310.10505): one greedy response per prompt, repeated
     over the prompt's group so its rows line up with the rollout's."""
-    ctx = context(plan)
-    maybe_fail(ctx, stage.name, iteration)
-    if (done := _reuse(ctx, iteration, stage)) is not None:
-        return done
     n = ctx.plan.rollout.n
     prompts = ctx.prompt_batch(iteration)
     unique = prompts.index(list(range(0, len(prompts), n)))  # one row per group
@@ -327,14 +337,10 @@ def rule_scores(ctx: StageContext, batch: Batch) -> tuple[torch.Tensor, torch.Te
                            "reward/overlong_share": float((penalty < 0).float().mean())}
 
 
-@stage_task("score_rewards")
-def score_rewards(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
-                  kl_coef: float = 0.0) -> StageResult:
+@graph_stage("score_rewards")
+def score_rewards(ctx: StageContext, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                  kl_coef: float) -> StageResult:
     """A score per response; `token_scores` [B, T] holds it at the response's last token."""
-    ctx = context(plan)
-    maybe_fail(ctx, stage.name, iteration)
-    if (done := _reuse(ctx, iteration, stage)) is not None:
-        return done
     batch = _inputs(ctx, stage, inputs)
     start = time.perf_counter()
     rule, penalty, metrics = rule_scores(ctx, batch)
@@ -355,14 +361,10 @@ def score_rewards(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[
     return _write(ctx, iteration, stage, out, {"timing_s/reward": time.perf_counter() - start, **metrics})
 
 
-@stage_task("score_costs")
-def score_costs(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
-                kl_coef: float = 0.0) -> StageResult:
+@graph_stage("score_costs")
+def score_costs(ctx: StageContext, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                kl_coef: float) -> StageResult:
     """Safe RL: a cost per response, `cost` [B], by reward.cost_function (scored as a reward is)."""
-    ctx = context(plan)
-    maybe_fail(ctx, stage.name, iteration)
-    if (done := _reuse(ctx, iteration, stage)) is not None:
-        return done
     batch = _inputs(ctx, stage, inputs)
     start = time.perf_counter()
     cfg = ctx.plan.reward.model_copy(update={"function": ctx.plan.reward.cost_function})
@@ -383,14 +385,10 @@ def multiplier_before(ctx: StageContext, iteration: int) -> float:
     return float(read_buffer(ctx.store, ref).meta["metrics"]["safety/lambda"])
 
 
-@stage_task("score_baseline")
-def score_baseline(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
-                   kl_coef: float = 0.0) -> StageResult:
+@graph_stage("score_baseline")
+def score_baseline(ctx: StageContext, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                   kl_coef: float) -> StageResult:
     """The greedy baseline's score, scored once per group and repeated over it: `baseline_score` [B]."""
-    ctx = context(plan)
-    maybe_fail(ctx, stage.name, iteration)
-    if (done := _reuse(ctx, iteration, stage)) is not None:
-        return done
     n = ctx.plan.rollout.n
     batch = _inputs(ctx, stage, inputs)
     start = time.perf_counter()
@@ -399,14 +397,10 @@ def score_baseline(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict
     return _write(ctx, iteration, stage, out, {"timing_s/reward_baseline": time.perf_counter() - start})
 
 
-@stage_task("user")
-def run_user_stage(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
-                   kl_coef: float = 0.0) -> StageResult:
+@graph_stage("user")
+def run_user_stage(ctx: StageContext, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                   kl_coef: float) -> StageResult:
     """A stage of `algorithm.extra_stages`: the user's function on its declared reads."""
-    ctx = context(plan)
-    maybe_fail(ctx, stage.name, iteration)
-    if (done := _reuse(ctx, iteration, stage)) is not None:
-        return done
     assert stage.function is not None
     fn, _ = load_user_stage(stage.function)
     batch = _inputs(ctx, stage, inputs)
@@ -430,55 +424,38 @@ def at_last_token(score: torch.Tensor, response_mask: torch.Tensor) -> torch.Ten
 
 # -- log-probs and values --------------------------------------------------------------------------
 
-def _forward_stage(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
-                   call: Any, timing: str) -> StageResult:
-    ctx = context(plan)
-    maybe_fail(ctx, stage.name, iteration)
-    if (done := _reuse(ctx, iteration, stage)) is not None:
-        return done
-    batch = _inputs(ctx, stage, inputs)
-    start = time.perf_counter()
-    out = call(ctx.engine(stage.name), batch)
-    metrics = {timing: time.perf_counter() - start}
-    if "micro_batches" in out.meta:  # how the pass was cut (every rank runs as many)
-        metrics[f"perf/{timing.removeprefix('timing_s/')}_micro_batches"] = float(out.meta["micro_batches"])
-    return _write(ctx, iteration, stage, Batch(out.tensors, {}), metrics)
+def _forward(call: Any, timing: str) -> Any:
+    """A stage that runs one forward pass of the engine over its inputs and writes what it returns."""
+    def body(ctx: StageContext, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+             kl_coef: float) -> StageResult:
+        batch = _inputs(ctx, stage, inputs)
+        start = time.perf_counter()
+        out = call(ctx.engine(stage.name), batch, iteration)
+        metrics = {timing: time.perf_counter() - start}
+        if "micro_batches" in out.meta:  # how the pass was cut (every rank runs as many)
+            metrics[f"perf/{timing.removeprefix('timing_s/')}_micro_batches"] = float(out.meta["micro_batches"])
+        return _write(ctx, iteration, stage, Batch(out.tensors, {}), metrics)
+    return body
 
 
-@stage_task("compute_old_logprobs")
-def compute_old_logprobs(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
-                         kl_coef: float = 0.0) -> StageResult:
-    """`old_logp` and `entropy` [B, T] under the policy that generated (version k-1)."""
-    return _forward_stage(plan, iteration, stage, inputs, lambda engine, batch: engine.compute_log_prob(
-        batch, expected_version=iteration - 1), "timing_s/old_log_prob")
-
-
-@stage_task("compute_ref_logprobs")
-def compute_ref_logprobs(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
-                         kl_coef: float = 0.0) -> StageResult:
-    """`ref_logp` [B, T] under the frozen reference policy."""
-    return _forward_stage(plan, iteration, stage, inputs, lambda engine, batch: engine.compute_ref_log_prob(batch),
-                          "timing_s/ref")
-
-
-@stage_task("compute_values")
-def compute_values(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
-                   kl_coef: float = 0.0) -> StageResult:
-    """`values` [B, T] of the critic at version k-1."""
-    return _forward_stage(plan, iteration, stage, inputs, lambda engine, batch: engine.compute_values(
-        batch, expected_version=iteration - 1), "timing_s/values")
+# `old_logp` and `entropy` [B, T] under the policy that generated (version k-1); `ref_logp` [B, T] under
+# the frozen reference policy; `values` [B, T] of the critic at version k-1.
+for _task, _call, _timing in (
+    ("compute_old_logprobs", lambda engine, batch, k: engine.compute_log_prob(batch, expected_version=k - 1),
+     "timing_s/old_log_prob"),
+    ("compute_ref_logprobs", lambda engine, batch, k: engine.compute_ref_log_prob(batch), "timing_s/ref"),
+    ("compute_values", lambda engine, batch, k: engine.compute_values(batch, expected_version=k - 1),
+     "timing_s/values"),
+):
+    graph_stage(_task)(_forward(_call, _timing))
 
 
 # -- advantages ------------------------------------------------------------------------------------
 
-@stage_task("compute_advantages")
-def compute_advantages(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
-                       kl_coef: float = 0.0) -> StageResult:
+@graph_stage("compute_advantages")
+def compute_advantages(ctx: StageContext, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                       kl_coef: float) -> StageResult:
     """Everything the updates need in one `advantage` buffer (what a replay reads back)."""
-    ctx = context(plan)
-    maybe_fail(ctx, stage.name, iteration)
-    if (done := _reuse(ctx, iteration, stage)) is not None:
-        return done
     batch = _inputs(ctx, stage, inputs)
     extra = {s.writes[0]: s.reward_weight for s in ctx.plan.stages if s.reward_weight is not None}
     start = time.perf_counter()
@@ -528,32 +505,26 @@ def _update(ctx: StageContext, iteration: int, role: str, stage: StageSpec, inpu
     return metrics
 
 
-@stage_task("update_critic", cache=False)
-def update_critic(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
-                  kl_coef: float = 0.0) -> StageResult:
-    ctx = context(plan)
-    maybe_fail(ctx, stage.name, iteration)
+@graph_stage("update_critic", cache=False)
+def update_critic(ctx: StageContext, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                  kl_coef: float) -> StageResult:
     return StageResult(metrics=_update(ctx, iteration, "critic", stage, inputs))
 
 
-@stage_task("update_policy", cache=False)
-def update_policy(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
-                  kl_coef: float = 0.0) -> StageResult:
+@graph_stage("update_policy", cache=False)
+def update_policy(ctx: StageContext, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                  kl_coef: float) -> StageResult:
     """The actor update and the train-to-generate weight sync; the engine's version becomes k."""
-    ctx = context(plan)
-    maybe_fail(ctx, stage.name, iteration)
     metrics = _update(ctx, iteration, "policy", stage, inputs)
     get_run_logger().info("iteration %d: policy updated (pg_loss %.4f)", iteration, metrics.get("actor/pg_loss", 0.0))
     return StageResult(metrics=metrics)
 
 
-@stage_task("sync_weights", cache=False)
-def sync_weights(plan: RunPlan, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
-                 kl_coef: float = 0.0) -> StageResult:
+@graph_stage("sync_weights", cache=False)
+def sync_weights(ctx: StageContext, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                 kl_coef: float) -> StageResult:
     """placement.mode=split: the weights of version k from the training pool to the rollout pool, once
     (a rollout pool at version k already has them)."""
-    ctx = context(plan)
-    maybe_fail(ctx, stage.name, iteration)
     engine = ctx.engine(stage.name)
     versions = engine.versions()
     if versions["rollout"] == iteration:
