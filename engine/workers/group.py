@@ -168,7 +168,7 @@ class WorkerGroup:
             return _get(getattr(self.actors[0], method).remote(*args, **kwargs), 0, method, timeout)
         if mode == "one_to_all":
             refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
-            return _gather(refs, method, timeout, self.timeout_setting)
+            return gather_results(refs, method, timeout, self.timeout_setting)
         if mode == "dp":
             return self._call_dp(method, args, kwargs, timeout)
         raise ValueError(f"dispatch mode {mode!r} is not one of one_to_all, dp, rank0")
@@ -187,7 +187,7 @@ class WorkerGroup:
             for rank in range(n):
                 shard_kwargs[rank][key] = shards[rank]
         refs = [getattr(a, method).remote(*shard_args[r], **shard_kwargs[r]) for r, a in enumerate(self.actors)]
-        results = _gather(refs, method, timeout, self.timeout_setting)
+        results = gather_results(refs, method, timeout, self.timeout_setting)
         if results and all(isinstance(r, Batch) for r in results):
             return Batch.unpad(Batch.concat(results), pad)
         return results
@@ -264,7 +264,7 @@ def stop_engine(run_id: str, namespace: str = NAMESPACE) -> list[str]:
     return sorted(set(roles) | set(remove_placement_groups(run_id)))
 
 
-def _gather(refs: list[Any], method: str, timeout_s: float, setting: str = "trainer.stage_timeout_s") -> list[Any]:
+def gather_results(refs: list[Any], method: str, timeout_s: float, setting: str = "trainer.stage_timeout_s") -> list[Any]:
     """Results in rank order; the FIRST failure is raised at once (the other ranks may be stuck in a
     collective waiting for the failed one, so waiting for all would turn an error into a hang)."""
     deadline = time.monotonic() + timeout_s

@@ -56,6 +56,29 @@ def vllm_engine(spec: PolicySpec) -> dict[str, Any]:
             "trust_remote_code": spec.trust_remote_code}
 
 
+def policy_model(spec: PolicySpec) -> tuple[Any, nn.Module, list[int], Any]:
+    """(tokenizer, model, stop token ids, LoRA's PeftModel or None): the policy as both pools load it, the
+    torch seed set first; with actor.lora the adapters are on, named as on the actor."""
+    torch.manual_seed(spec.seed)
+    tokenizer = load_tokenizer(spec.tokenizer_path, trust_remote_code=spec.trust_remote_code)
+    model = load_model(spec.model_path, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code)
+    stops = sorted(stop_token_ids(tokenizer, model))
+    peft: Any = None
+    if spec.actor.lora.enabled:
+        model, peft = lora.apply_lora(model, spec.actor.lora, task="CAUSAL_LM", what="actor.lora")
+    return tokenizer, model, stops, peft
+
+
+def rollout_tools(spec: PolicySpec, tokenizer: Any) -> dict[str, Any]:
+    """rollout.multi_turn: the tools by name ({} when off); a format the chat template cannot render is
+    refused here."""
+    if not spec.rollout.multi_turn.enable:
+        return {}
+    tools = load_tools(spec.rollout.multi_turn.tools)
+    observation_renderer(tokenizer, spec.rollout.multi_turn.format)
+    return tools
+
+
 class PolicyWorker(RankWorker):
     def __init__(self, *, spec: dict[str, Any], **identity: Any) -> None:
         super().__init__(**identity)
@@ -66,13 +89,8 @@ class PolicyWorker(RankWorker):
     def setup(self) -> None:
         """Load the three models; called on every rank after torch.distributed is up."""
         spec = self.spec
-        torch.manual_seed(spec.seed)
-        self.tokenizer = load_tokenizer(spec.tokenizer_path, trust_remote_code=spec.trust_remote_code)
-        base = load_model(spec.model_path, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code)
-        stops = sorted(stop_token_ids(self.tokenizer, base))
-        self.peft: Any = None  # LoRA: the PeftModel around the actor (switches the adapters off for the ref)
-        if spec.actor.lora.enabled:
-            base, self.peft = lora.apply_lora(base, spec.actor.lora, task="CAUSAL_LM", what="actor.lora")
+        # LoRA: self.peft is the PeftModel around the actor (it switches the adapters off for the ref).
+        self.tokenizer, base, stops, self.peft = policy_model(spec)
         self.rollout_model: nn.Module | None = None  # the copy (rollout.weights=copy)
         self.vllm = spec.rollout.name == "vllm"  # a vLLM engine holds its own copy, refreshed after each update
         if spec.rollout.weights == "copy" and not self.vllm:
@@ -92,9 +110,7 @@ class PolicyWorker(RankWorker):
         generator = self.rollout_model if self.rollout_model is not None else self.actor
         self.rollout = make_rollout(spec.rollout.name, generator, int(self.tokenizer.pad_token_id), stops,
                                     **(vllm_engine(spec) if self.vllm else {}))
-        self.tools = load_tools(spec.rollout.multi_turn.tools) if spec.rollout.multi_turn.enable else {}
-        if spec.rollout.multi_turn.enable:  # a format the chat template cannot render is refused here
-            observation_renderer(self.tokenizer, spec.rollout.multi_turn.format)
+        self.tools = rollout_tools(spec, self.tokenizer)
         self.reward_model: RewardModelScorer | None = None
         if spec.reward_model is not None:  # last, and on a forked RNG: the policy's draws do not depend on it
             with torch.random.fork_rng(devices=[]):

@@ -14,14 +14,12 @@ from typing import Any
 import torch
 
 from engine.batch import Batch
-from engine.models import lora
-from engine.models.loading import dropout_left, empty_model, load_model, load_tokenizer
+from engine.models.loading import dropout_left, empty_model, load_tokenizer
 from engine.models.tokens import stop_token_ids
 from engine.rollout.backends import make_rollout
-from engine.rollout.tools import load_tools, observation_renderer
 from engine.state import weight_sync
 from engine.workers.base import RankWorker, traced
-from engine.workers.policy import PolicySpec, generate_batch, vllm_engine
+from engine.workers.policy import PolicySpec, generate_batch, policy_model, rollout_tools, vllm_engine
 
 
 class RolloutWorker(RankWorker):
@@ -33,24 +31,21 @@ class RolloutWorker(RankWorker):
 
     def setup(self) -> None:
         spec = self.spec
-        torch.manual_seed(spec.seed)
-        self.tokenizer = load_tokenizer(spec.tokenizer_path, trust_remote_code=spec.trust_remote_code)
-        self.tools = load_tools(spec.rollout.multi_turn.tools) if spec.rollout.multi_turn.enable else {}
-        if spec.rollout.multi_turn.enable:  # a format the chat template cannot render is refused here
-            observation_renderer(self.tokenizer, spec.rollout.multi_turn.format)
         self.vllm = spec.rollout.name == "vllm"
         if self.vllm:  # the engine holds the weights; an empty (meta) transformers model names what it receives
+            torch.manual_seed(spec.seed)
+            self.tokenizer = load_tokenizer(spec.tokenizer_path, trust_remote_code=spec.trust_remote_code)
+            self.tools = rollout_tools(spec, self.tokenizer)
             empty = empty_model(spec.model_path, trust_remote_code=spec.trust_remote_code)
             self.entries = [(name, tuple(p.shape)) for name, p in empty.named_parameters()]
             self.rollout = make_rollout("vllm", None, int(self.tokenizer.pad_token_id),
                                         sorted(stop_token_ids(self.tokenizer, empty)), **vllm_engine(spec))
             return
-        model = load_model(spec.model_path, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code)
-        stops = sorted(stop_token_ids(self.tokenizer, model))
-        self.lora = spec.actor.lora.enabled
-        if self.lora:  # the weights it receives are the adapters: names as on the actor's side
-            model, _ = lora.apply_lora(model, spec.actor.lora, task="CAUSAL_LM", what="actor.lora")
-        else:
+        # LoRA: the weights it receives are the adapters, named as on the actor's side.
+        self.tokenizer, model, stops, peft = policy_model(spec)
+        self.tools = rollout_tools(spec, self.tokenizer)
+        self.lora = peft is not None
+        if not self.lora:
             model.requires_grad_(False)
         if spec.actor.mixed_precision == "bf16":  # generate with the precision the actor computes in
             model.to(torch.bfloat16)
