@@ -24,9 +24,6 @@ released instruct checkpoints, because that is what the engine must get right:
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +32,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
+from engine.demo.folders import empty_target, into_place
 from engine.demo.synthetic import TASKS, make_rows, solution_text
 from engine.errors import ConfigError
 
@@ -218,9 +216,7 @@ def build_family(name: str, out_dir: str | Path, task: str = "sort", seed: int =
     if task not in TASKS:
         raise ConfigError(f"unknown task {task!r}; allowed: {', '.join(TASKS)}")
     family = FAMILIES[name]
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"{out} is not empty")
+    out = empty_target(out_dir)
     tokenizer = build_tokenizer(family, task_corpus(task, seed))
     ids = {k: tokenizer.convert_tokens_to_ids(v) for k, v in family.specials.items() if v is not None}
     config = AutoConfig.for_model(family.model_type, **_shape_kwargs(family, shape), vocab_size=len(tokenizer),
@@ -231,17 +227,11 @@ def build_family(name: str, out_dir: str | Path, task: str = "sort", seed: int =
     model.generation_config = GenerationConfig(
         bos_token_id=ids.get("bos"), pad_token_id=ids.get("pad", ids["eos"]),
         eos_token_id=[tokenizer.convert_tokens_to_ids(t) for t in family.generation_eos])
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent if out.parent.exists() else None))
-    try:
+    with into_place(out) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "rlflow_family.json").write_text(json.dumps({"family": name, "task": task, "seed": seed,
                                                             "num_parameters": model.num_parameters()}))
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

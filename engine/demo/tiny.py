@@ -31,7 +31,6 @@ import shutil
 import string
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -51,6 +50,7 @@ from transformers import (
 
 from engine.config import ModelConfig
 from engine.cpu_kernels import AVX2_ENV, kernel_tag, pinned_here
+from engine.demo.folders import empty_target, into_place
 from engine.demo.synthetic import TASKS, make_rows, solution_text
 from engine.errors import ConfigError, RLFlowError
 from engine.models import loading
@@ -383,20 +383,8 @@ def build_tiny(
     steps = default_steps(task) if steps is None else steps
     if steps < 0:
         raise ConfigError(f"steps must be >= 0, got {steps}")
-    out = Path(out_dir).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise RLFlowError(f"{out} already exists and is not an empty directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        report = _build_into(tmp, task, seed, steps, shape)
-        readable(tmp)
-        os.rename(tmp, out)  # atomic; replaces an empty directory, fails on a full one
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return report
+    with into_place(empty_target(out_dir)) as tmp:
+        return _build_into(tmp, task, seed, steps, shape)
 
 
 def _build_into(directory: Path, task: str, seed: int, steps: int, shape: TinyShape) -> TinyReport:
@@ -425,13 +413,6 @@ def _build_into(directory: Path, task: str, seed: int, steps: int, shape: TinySh
     )
     (directory / REPORT_FILE).write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report
-
-
-def readable(directory: Path) -> None:
-    # mkdtemp makes the directory private (0700); a shared model cache should not be.
-    directory.chmod(0o755)
-    for path in directory.iterdir():
-        path.chmod(0o644)
 
 
 def portable_tokenizer_class(directory: Path) -> None:

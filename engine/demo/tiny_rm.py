@@ -9,11 +9,8 @@ Deterministic: the same (task, seed, steps) gives the same weights on one machin
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
 import string
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -24,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.demo.synthetic import make_rows
-from engine.errors import ConfigError, RLFlowError
+from engine.errors import ConfigError
 from engine.models.loading import load_tokenizer
 from engine.rewards.reward_model import conversation_text, encode_conversations, sequence_scores
 from engine.rewards.rules import sort_score
@@ -131,25 +128,16 @@ def build_tiny_rm(out_dir: str | Path, task: str = "sort", seed: int = 0, steps:
     pairs drawn from the policy's own samples and synthetic candidates."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from engine.demo.tiny import (
-        BUILD_THREADS,
-        cached_tiny,
-        deterministic_cpu,
-        portable_tokenizer_class,
-        readable,
-    )
+    from engine.demo.folders import empty_target, into_place
+    from engine.demo.tiny import BUILD_THREADS, cached_tiny, deterministic_cpu, portable_tokenizer_class
     from engine.models.loading import load_model
 
     if steps < 0:
         raise ConfigError(f"steps must be >= 0, got {steps}")
-    out = Path(out_dir).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise RLFlowError(f"{out} already exists and is not an empty directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = empty_target(out_dir)
     started = time.perf_counter()
     policy_dir = cached_tiny(task, seed)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with into_place(out) as tmp:
         with deterministic_cpu(BUILD_THREADS):
             torch.manual_seed(seed)
             tokenizer = load_tokenizer(str(policy_dir))
@@ -175,11 +163,6 @@ def build_tiny_rm(out_dir: str | Path, task: str = "sort", seed: int = 0, steps:
                               held_out_pairs=len(held_out), build_seconds=round(time.perf_counter() - started, 2),
                               num_parameters=sum(p.numel() for p in model.parameters()))
         (tmp / RM_REPORT).write_text(json.dumps(asdict(report), indent=2) + "\n")
-        readable(tmp)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return report
 
 
