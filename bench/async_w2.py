@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.vs_trl import WORKLOADS, _free_port, build_inputs, run_rlflow, run_trl, trl_python  # noqa: E402
+from bench.vs_trl import WORKLOADS, build_inputs, run_rlflow, run_trl, trl_python  # noqa: E402
 from flows.trace import busy_time  # noqa: E402
 
 VARIANTS = {"colocated k=0 (2 ranks)": (2, []),
@@ -59,13 +59,14 @@ def main() -> None:
     parser.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer on the workload")
     args = parser.parse_args()
     from infra.config import StackConfig
+    from infra.node import free_port
     from infra.stack import LocalStack
 
     work = args.work.expanduser().resolve()
     home = work / "home-async"
     spec = WORKLOADS[args.workload]
     model, data = build_inputs(work, args.workload)
-    stack = LocalStack(StackConfig(home=str(home), prefect_port=_free_port(), ray_port=_free_port()))
+    stack = LocalStack(StackConfig(home=str(home), prefect_port=free_port(), ray_port=free_port()))
     stack.up()
     results = {}
     try:

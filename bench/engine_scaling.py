@@ -30,7 +30,6 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.vs_trl import _free_port  # noqa: E402
 from engine.batch import Batch  # noqa: E402
 from engine.config import ActorConfig, RolloutConfig  # noqa: E402
 from engine.demo.synthetic import make_rows  # noqa: E402
@@ -203,9 +202,10 @@ def main() -> None:
     import ray
 
     from infra.config import StackConfig
+    from infra.node import free_port
     from infra.stack import LocalStack, apply_connect_env
 
-    stack = LocalStack(StackConfig(home=str(work / "home-engine"), prefect_port=_free_port(), ray_port=_free_port()))
+    stack = LocalStack(StackConfig(home=str(work / "home-engine"), prefect_port=free_port(), ray_port=free_port()))
     info = stack.up().info()
     results: dict[str, Any] = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
     try:

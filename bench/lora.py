@@ -130,11 +130,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "lora.json")
     args = parser.parse_args()
     from infra.config import StackConfig
+    from infra.node import free_port
     from infra.stack import LocalStack
 
     work = args.work.expanduser().resolve()
     home = work / "home"
-    stack = LocalStack(StackConfig(home=str(home), prefect_port=vs_trl._free_port(), ray_port=vs_trl._free_port()))
+    stack = LocalStack(StackConfig(home=str(home), prefect_port=free_port(), ray_port=free_port()))
     stack.up()
     previous = json.loads(args.out.read_text()) if args.out.exists() else {}
     results: dict[str, Any] = {**previous, "meta": {"command": " ".join(["lora.py", *sys.argv[1:]]), "beta": BETA,

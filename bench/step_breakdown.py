@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.vs_trl import LR, WARMUP, WORKLOADS, _free_port, build_inputs  # noqa: E402
+from bench.vs_trl import LR, WARMUP, WORKLOADS, build_inputs  # noqa: E402
 
 COMPUTE = ("gen", "gen_baseline", "old_log_prob", "ref", "values", "adv", "update_actor", "update_critic",
            "weight_sync")  # fmt: skip
@@ -58,10 +58,11 @@ def main() -> None:
     shutil.rmtree(root, ignore_errors=True)
 
     from infra.config import StackConfig
+    from infra.node import free_port
     from infra.stack import LocalStack
 
     home = work / "home-breakdown"
-    stack = LocalStack(StackConfig(home=str(home), prefect_port=_free_port(), ray_port=_free_port()))
+    stack = LocalStack(StackConfig(home=str(home), prefect_port=free_port(), ray_port=free_port()))
     stack.up()
     try:
         overrides = [*workload_overrides(work, args.workload), f"trainer.total_iterations={args.iterations}",

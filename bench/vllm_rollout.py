@@ -123,6 +123,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "vllm_rollout.json")
     args = parser.parse_args()
     from infra.config import StackConfig
+    from infra.node import free_port
     from infra.stack import LocalStack
 
     work = args.work.expanduser().resolve()
@@ -131,7 +132,7 @@ def main() -> None:
     results: dict[str, Any] = json.loads(args.out.read_text()) if args.out.exists() else {}
     command = " ".join(["vllm_rollout.py", *sys.argv[1:]])
     if {"speed", "correction"} & set(args.parts.split(",")):
-        stack = LocalStack(StackConfig(home=str(home), prefect_port=vs_trl._free_port(), ray_port=vs_trl._free_port()))
+        stack = LocalStack(StackConfig(home=str(home), prefect_port=free_port(), ray_port=free_port()))
         stack.up()
         try:
             if "speed" in args.parts:

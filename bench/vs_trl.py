@@ -304,10 +304,11 @@ def main() -> None:
     python = trl_python(work) if args.only != "rlflow" else None
 
     from infra.config import StackConfig
+    from infra.node import free_port
     from infra.stack import LocalStack
 
     home = work / "home"
-    stack = LocalStack(StackConfig(home=str(home), prefect_port=_free_port(), ray_port=_free_port()))
+    stack = LocalStack(StackConfig(home=str(home), prefect_port=free_port(), ray_port=free_port()))
     stack.up()
     results: list[dict[str, Any]] = []
     try:
@@ -380,14 +381,6 @@ def _print_table(results: list[dict[str, Any]]) -> None:
         if "ratio" in res["median"]:
             print(f"| {res['workload']} | {res['beta']} | {setting} | ratio | " + " | ".join(
                 f"{k}: {v:.2f}x" for k, v in res["median"]["ratio"].items()) + " |")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 if __name__ == "__main__":

@@ -123,7 +123,7 @@ class Engine:
 
     def _join_sync_group(self) -> None:
         """Every member joins at once: the training group's rank 0 (sender) and each rollout rank."""
-        from engine.workers.group import _gather
+        from engine.workers.group import gather_results
 
         assert self.rollout is not None
         host, port = self.policy.call("rendezvous_address", mode="rank0")
@@ -131,7 +131,7 @@ class Engine:
         timeout = min(self.spec.timeout_s, 300.0)
         refs = [a.join_sync_group.remote(host, port, world, timeout) for a in self.policy.actors]
         refs += [a.join_sync_group.remote(host, port, world, timeout) for a in self.rollout.actors]
-        _gather(refs, "join_sync_group", timeout)
+        gather_results(refs, "join_sync_group", timeout)
 
     @classmethod
     def attach(cls, spec: EngineSpec) -> Engine:
@@ -212,7 +212,7 @@ class Engine:
         do (the update refreshed the rollout copy itself)."""
         if self.rollout is None:
             return {}
-        from engine.workers.group import _gather
+        from engine.workers.group import gather_results
 
         policy_version = self.version()
         if policy_version != version:
@@ -221,7 +221,7 @@ class Engine:
         mb = self.spec.sync_bucket_mb
         refs = [a.send_weights.remote(mb) for a in self.policy.actors]
         refs += [a.receive_weights.remote(version, mb) for a in self.rollout.actors]
-        results = _gather(refs, "weight sync", self.spec.timeout_s, self.spec.timeout_setting)
+        results = gather_results(refs, "weight sync", self.spec.timeout_s, self.spec.timeout_setting)
         return dict(results[0])
 
     def score_responses(self, batch: Batch) -> Batch:

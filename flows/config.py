@@ -507,8 +507,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     source = Path(path) if path is not None else DEFAULT_CONFIG
     raw = _read_yaml(source)
     for item in overrides:
-        key, value = _parse_override(item)
-        _set_dotted(raw, key, value)
+        key, value = parse_override(item)
+        set_dotted(raw, key, value)
     return build_config(raw)
 
 
@@ -536,7 +536,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _parse_override(item: str) -> tuple[str, Any]:
+def parse_override(item: str) -> tuple[str, Any]:
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not key=value (for example actor.lr=1e-5)")
     key, text = item.split("=", 1)
@@ -551,7 +551,7 @@ def _parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
-def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     parts = key.split(".")
     if len(parts) < 2 or not all(parts):
         raise ConfigError(f"override key {key!r} must be section.field (for example actor.lr, actor.lora.rank); "

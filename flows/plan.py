@@ -82,21 +82,21 @@ def resume_config(store: ObjectStore, run_id: str, cfg: RLConfig | None, overrid
     """The config of a resumed run: its run.json snapshot with `overrides`, or `cfg` if it keeps the model.
     The CODE_SETTINGS are the user's (CONFIG, the overrides, else the default config's): one that run.json
     gives otherwise is refused before anything runs."""
-    from flows.config import _parse_override, _set_dotted
+    from flows.config import parse_override, set_dotted
 
     runs = RunStore(store, check_run_id(run_id))
     if not runs.exists():
         raise ConfigError(f"--resume {run_id}: no run {run_id!r} under {store.url()}")
     saved = runs.read_run_info()["config"]
-    given = {_parse_override(item)[0] for item in overrides}
+    given = {parse_override(item)[0] for item in overrides}
     users = (cfg or load_config(None, [])).model_dump(mode="json")  # what the user gives where no override
     # Before the stored config is validated: a tampered value is refused as such, whatever else it breaks.
     _check_code_settings(run_id, saved, users, [key for key in CODE_SETTINGS if key not in given])
     if cfg is None:
         raw = json.loads(json.dumps(saved))  # a deep copy: the overrides must not edit `saved` itself
         for item in overrides:
-            key, value = _parse_override(item)
-            _set_dotted(raw, key, value)
+            key, value = parse_override(item)
+            set_dotted(raw, key, value)
         cfg = build_config(raw)
     ours = cfg.model_dump(mode="json")
     _check_code_settings(run_id, saved, ours, [key for key in CODE_SETTINGS if key in given])
