@@ -1,14 +1,25 @@
 """The console view of a run: a rich progress bar (iteration, reward, step time, ETA) and one line per
-iteration. The train flow calls `notify(iteration, metrics)`; listeners are registered by the CLI."""
+iteration. The train flow calls `notify(iteration, metrics)`; listeners are registered by the CLI. The
+waits before the first iteration show too: a demo build's phases (`build_progress`) and a stack start
+(`phase`)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 Listener = Callable[[int, dict[str, float]], None]
 ITERATION_FLOW = "rl-iteration"
@@ -79,3 +90,59 @@ def console_progress(total: int, live: bool) -> Iterator[None]:
             yield
     finally:
         _LISTENERS.remove(update)
+
+
+@contextlib.contextmanager
+def build_progress(live: bool) -> Iterator[None]:
+    """While the block runs, a demo build (engine.demo.progress) shows how far it is: on a terminal a bar per
+    phase, otherwise a line when a phase starts, at every tenth of it and when it ends. Nothing shows when
+    nothing is built."""
+    from engine.demo.progress import reporting
+
+    console = Console()
+    bar: Progress | None = None
+    tasks: dict[str, Any] = {}
+    started: dict[str, float] = {}
+    shown: dict[str, int] = {}
+
+    def plain(phase: str, done: int, total: int) -> None:
+        tenth = 10 * done // max(total, 1)
+        if phase not in started:
+            started[phase] = time.monotonic()
+        elif shown.get(phase) == tenth:
+            return
+        shown[phase] = tenth
+        took = f", {time.monotonic() - started[phase]:.0f} s" if done else ""
+        console.print(f"rlflow: {phase} {done}/{total}{took}", highlight=False)
+
+    def live_bar(phase: str, done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                           TimeElapsedColumn(), TimeRemainingColumn(), console=console)
+            bar.start()
+        if phase not in tasks:
+            tasks[phase] = bar.add_task(phase, total=total)
+        bar.update(tasks[phase], completed=done, total=total)
+
+    try:
+        with reporting(live_bar if live else plain):
+            yield
+    finally:
+        if bar is not None:
+            bar.stop()
+
+
+@contextlib.contextmanager
+def phase(what: str, live: bool) -> Iterator[None]:
+    """A wait without a count (a stack start): a spinner with the time on a terminal, otherwise a line when
+    it starts; a line with how long it took when it ends."""
+    console = Console()
+    start = time.monotonic()
+    if live:
+        with console.status(f"rlflow: {what}..."):
+            yield
+    else:
+        console.print(f"rlflow: {what}...", highlight=False)
+        yield
+    console.print(f"rlflow: {what}: {time.monotonic() - start:.1f} s", highlight=False)

@@ -33,7 +33,7 @@ from prefect_ray.context import remote_options
 
 from engine.advantage import make_kl_controller
 from engine.cpu_kernels import kernel_env
-from engine.engine import Engine
+from engine.engine import Engine, EngineSpec
 from engine.errors import ConfigError, EngineDeadError, EngineHungError, VersionMismatchError
 from engine.state.checkpoint_io import CheckpointCorruptError
 from flows import pipeline, progress, report, trace
@@ -460,15 +460,26 @@ def reconcile(trainer: Trainer, restart: bool = False) -> tuple[Engine, int]:
     except EngineDeadError as err:
         logger.info("no live engine (%s): starting one", err)
     Engine.stop_run(plan.run_id, plan.engine.namespace)
+    start = time.perf_counter()
+    logger.info("starting the engine: %s (loading the models on every rank)", _engine_shape(plan.engine))
     engine = Engine.start(plan.engine, waiting=logger.warning, restart=restart)
-    step = restore(engine, _checkpoint_store(trainer), run.store.storage_options()) if finished else None
-    if step:
-        logger.info("restored checkpoint step %d", step)
+    logger.info("engine started in %.1f s", time.perf_counter() - start)
+    step = None
+    if finished:
+        start = time.perf_counter()
+        logger.info("restoring the newest checkpoint (storage has iteration %d)", finished)
+        step = restore(engine, _checkpoint_store(trainer), run.store.storage_options())
+        logger.info("restored checkpoint step %s in %.1f s", step, time.perf_counter() - start)
     for iteration in range(1 + (step or 0), finished + 1):
         replay(trainer, iteration)
     if engine.rollout is not None:  # the rollout pool gets the weights of the last committed iteration
         engine.sync_weights(finished)
     return engine, finished + 1
+
+
+def _engine_shape(spec: EngineSpec) -> str:
+    """"policy 2 ranks, critic 2 ranks": the pools an engine start places."""
+    return ", ".join(f"{pool} {ranks} rank{'s' if ranks > 1 else ''}" for pool, ranks, _, _ in spec.pools())
 
 
 def restore(engine: Engine, ckpts: CheckpointStore, storage_options: dict[str, Any]) -> int | None:

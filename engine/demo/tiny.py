@@ -31,6 +31,7 @@ import shutil
 import string
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -50,7 +51,9 @@ from transformers import (
 
 from engine.config import ModelConfig
 from engine.cpu_kernels import AVX2_ENV, kernel_tag, pinned_here
+from engine.demo import progress
 from engine.demo.folders import empty_target, into_place
+from engine.demo.progress import report
 from engine.demo.synthetic import TASKS, make_rows, solution_text
 from engine.errors import ConfigError, RLFlowError
 from engine.models import loading
@@ -248,6 +251,7 @@ def warm_start(
     """`steps` AdamW steps of next-token loss on the task's reference responses."""
     optim = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, betas=(0.9, 0.98))
     model.train()
+    report(f"tiny {task} model: warm start", 0, steps)
     for step, (input_ids, mask, labels) in enumerate(sft_batches(tokenizer, task, seed, steps)):
         for group in optim.param_groups:
             group["lr"] = _lr_at(step, steps)
@@ -256,6 +260,7 @@ def warm_start(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optim.step()
         optim.zero_grad(set_to_none=True)
+        report(f"tiny {task} model: warm start", step + 1, steps)
     model.eval()
 
 
@@ -342,6 +347,7 @@ def exact_answer_rate(
     assert isinstance(model, GenerationMixin), f"{type(model).__name__} cannot generate"
     rows = make_rows(task, n, seed, split="val")
     correct = 0
+    report(f"tiny {task} model: evaluation", 0, n)
     for start in range(0, n, batch_size):
         chunk = rows[start : start + batch_size]
         enc = encode_prompts(tokenizer, [row["prompt"] for row in chunk])
@@ -357,6 +363,7 @@ def exact_answer_rate(
         responses = decode_responses(tokenizer, out[:, enc.input_ids.shape[1] :])  # (B, T) -> B texts
         for row, response in zip(chunk, responses, strict=True):
             correct += is_correct(task, response, row["reward_model"]["ground_truth"])
+        report(f"tiny {task} model: evaluation", start + len(chunk), n)
     return correct / n if n else 0.0
 
 
@@ -471,10 +478,17 @@ def build_in_subprocess(path: Path, task: str, seed: int, kernels: dict[str, str
     root = str(Path(__file__).resolve().parents[2])  # the checkout: engine/demo/tiny.py
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
     argv = [str(path), task, str(seed), *([] if steps is None else [str(steps)])]
-    done = subprocess.run([sys.executable, "-m", "engine.demo.tiny", *argv], env=env,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+    with tempfile.TemporaryFile("w+") as errors:
+        child = subprocess.Popen([sys.executable, "-m", "engine.demo.tiny", *argv], env=env,
+                                 stdout=subprocess.PIPE, stderr=errors, text=True)
+        assert child.stdout is not None
+        for line in child.stdout:  # its progress reports, for this process's reporter
+            progress.forward(line)
+        returncode = child.wait()
+        errors.seek(0)
+        stderr = errors.read()
+    if returncode != 0:
+        last = (stderr.strip().splitlines() or ["(no output)"])[-1]
         raise RLFlowError(f"building the tiny {task} model (seed {seed}) failed: {last}")
 
 
@@ -498,4 +512,5 @@ def resolve_tokenizer_path(model_cfg: ModelConfig, task: str, kernels: dict[str,
 
 
 if __name__ == "__main__":  # python -m engine.demo.tiny OUT TASK SEED [STEPS]: a build in a process of its own
-    build_tiny(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else None)
+    with progress.reporting(progress.to_stdout):
+        build_tiny(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else None)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.demo.progress import report
 from engine.demo.synthetic import make_rows
 from engine.errors import ConfigError
 from engine.models.loading import load_tokenizer
@@ -93,6 +94,7 @@ def policy_samples(policy: Any, tokenizer: Any, rows: list[dict[str, Any]], n: i
                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
         texts = decode_responses(tokenizer, ids[:, enc.input_ids.shape[1]:])
         out += [texts[k * n:(k + 1) * n] for k in range(len(chunk))]
+        report("tiny reward model: the policy's samples", len(out), len(rows))
     return out
 
 
@@ -177,6 +179,7 @@ def _pair_scores(model: Any, tokenizer: Any, pairs: Sequence[tuple[Any, str, str
 def _train_bradley_terry(model: Any, tokenizer: Any, pairs: list[tuple[Any, str, str]], steps: int) -> None:
     optim = torch.optim.AdamW(model.parameters(), lr=RM_LR, weight_decay=0.0)
     model.train()
+    report("tiny reward model: Bradley-Terry training", 0, steps)
     for step in range(steps):
         for group in optim.param_groups:  # linear decay to 10 %
             group["lr"] = RM_LR * (1 - 0.9 * step / max(1, steps))
@@ -186,6 +189,7 @@ def _train_bradley_terry(model: Any, tokenizer: Any, pairs: list[tuple[Any, str,
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optim.step()
         optim.zero_grad(set_to_none=True)
+        report("tiny reward model: Bradley-Terry training", step + 1, steps)
     model.eval()
 
 

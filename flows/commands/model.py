@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from engine.demo.synthetic import TASKS
+from flows.progress import build_progress
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -44,8 +46,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _make_tiny_rm(args: argparse.Namespace) -> int:
     from engine.demo.tiny_rm import RM_STEPS, build_tiny_rm
 
-    report = build_tiny_rm(args.out_dir, task=args.task, seed=args.seed,
-                           steps=RM_STEPS if args.steps is None else args.steps)
+    with build_progress(sys.stdout.isatty()):
+        report = build_tiny_rm(args.out_dir, task=args.task, seed=args.seed,
+                               steps=RM_STEPS if args.steps is None else args.steps)
     print(f"built {args.out_dir}: a reward model of {report.num_parameters:,} parameters, task {report.task}, "
           f"seed {report.seed}, {report.steps} steps in {report.build_seconds:.1f} s")
     print(f"  held-out pairs ranked right: {report.held_out_pair_accuracy:.1%} of {report.held_out_pairs}")
@@ -62,7 +65,8 @@ def _make_tiny(args: argparse.Namespace) -> int:
         out = build_family(args.family, args.out_dir, task=args.task, seed=args.seed)
         print(f"built {out}: a random {args.family} model with its tokenizer and chat template, task {args.task}")
         return 0
-    report = tiny.build_tiny(args.out_dir, task=args.task, seed=args.seed, steps=args.steps)
+    with build_progress(sys.stdout.isatty()):
+        report = tiny.build_tiny(args.out_dir, task=args.task, seed=args.seed, steps=args.steps)
     print(
         f"built {args.out_dir}: {report.num_parameters:,} parameters, task {report.task}, seed {report.seed}"
     )

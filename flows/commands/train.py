@@ -60,9 +60,11 @@ def _train(args: argparse.Namespace) -> int:
     run_id = args.resume or cfg.trainer.run_id
     # Every input is checked before the stack starts or anything is written (the flow checks again).
     from flows.plan import check_inputs, resolve_config
+    from flows.progress import build_progress
 
     run_cfg, run_id = resolve_config(path, overrides, args.resume)
-    check_inputs(run_cfg, run_id, resume=args.resume is not None)
+    with build_progress(sys.stdout.isatty()):  # model.path=tiny is built here on first use (minutes)
+        check_inputs(run_cfg, run_id, resume=args.resume is not None)
     result = run_train(cfg, config_path=path, overrides=overrides, resume=args.resume, run_id=str(run_id))
     print(f"rlflow: run {result['run_id']} finished iteration {result['finished_iteration']}; "
           f"storage {result['storage']}" + (f"; export {result['export']}" if result.get("export") else ""))
@@ -72,17 +74,18 @@ def _train(args: argparse.Namespace) -> int:
 def run_train(cfg: Any, *, config_path: str | None, overrides: list[str], resume: str | None, run_id: str
               ) -> dict[str, Any]:
     """Start what is missing of the stack, connect, run the train flow with a progress display."""
+    from flows import progress
     from flows.liveness import enable_heartbeats, ensure_crash_automation
     from infra.config import StackConfig
     from infra.stack import apply_connect_env, ensure_stack, ui_login
 
-    info = ensure_stack(StackConfig(), cfg.ray)
+    with progress.phase("the local stack (Prefect server, Ray head)", sys.stdout.isatty()):
+        info = ensure_stack(StackConfig(), cfg.ray)
     enable_heartbeats()
     apply_connect_env(info)
     ensure_crash_automation()
     print(f"rlflow: run {run_id}  |  Prefect UI {info.ui_url}{ui_login(info)}  |  Ray {info.ray_address}", flush=True)
 
-    from flows import progress
     from flows.train import connect_ray, train
 
     connect_ray(info.ray_address, cfg)

@@ -148,3 +148,22 @@ def test_final_answer_and_correctness() -> None:
     assert is_correct("countdown", "#### 2+3*4", truth) and is_correct("countdown", "#### 4*3+2", truth)
     for wrong in ("#### (2+3)*4", "#### 2+12", "#### 2+3+4", "#### 2**3", '#### __import__("os")', "14"):
         assert not is_correct("countdown", wrong, truth), wrong
+
+
+def test_a_build_says_how_far_it_is(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A build in a process of its own (other CPU kernels) reports its phases through its parent: a line as
+    each phase starts, at every tenth and at its end (plain lines: no terminal here)."""
+    from engine.cpu_kernels import kernel_env
+    from flows.progress import build_progress
+
+    kernels = kernel_env("native")
+    with build_progress(live=False):
+        tiny.build_in_subprocess(tmp_path / "m", "sort", 0, kernels, steps=3)
+    lines = capsys.readouterr().out.splitlines()
+    warm = [line for line in lines if line.startswith("rlflow: tiny sort model: warm start ")]
+    assert warm[0] == "rlflow: tiny sort model: warm start 0/3"
+    assert [line.split()[6].rstrip(",") for line in warm] == ["0/3", "1/3", "2/3", "3/3"]
+    evaluation = [line for line in lines if line.startswith("rlflow: tiny sort model: evaluation ")]
+    assert evaluation[0] == "rlflow: tiny sort model: evaluation 0/256"
+    assert evaluation[-1].startswith("rlflow: tiny sort model: evaluation 256/256, ")
+    assert read_report(tmp_path / "m").steps == 3
