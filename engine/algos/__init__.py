@@ -49,6 +49,8 @@ from engine.algos.masked import (
 )
 from engine.algos.policy_loss import (
     POLICY_LOSSES,
+    LossInputs,
+    PolicyLoss,
     PolicyLossFn,
     get_policy_loss,
     gspo,
@@ -71,6 +73,8 @@ __all__ = [
     "AdvInputs",
     "FixedKLController",
     "KLController",
+    "LossInputs",
+    "PolicyLoss",
     "PolicyLossFn",
     "agg_loss",
     "agg_units",

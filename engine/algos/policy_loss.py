@@ -1,4 +1,4 @@
-"""Policy-gradient losses: one registry, one keyword-only signature.
+"""Policy-gradient losses: one registry, one declared input record (LossInputs).
 
 Shapes: B batch, T response tokens. Every loss takes `logp, old_logp, adv, response_mask`
 (all [B, T]), clip settings and the aggregation (`loss_agg_mode`, and `max_response_length` for
@@ -9,7 +9,8 @@ detached scalars `pg_clipfrac`, `pg_clipfrac_lower` and `ppo_kl` (verl's metric 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,40 +23,58 @@ PPO_LOG_RATIO_CLAMP = 20.0
 GSPO_LOG_RATIO_MAX = 10.0
 
 
-class PolicyLossFn(Protocol):
-    """The one signature every policy loss implements."""
+@dataclass(frozen=True)
+class LossInputs:
+    """What every policy loss is given; each reads the fields it needs.
 
-    def __call__(
-        self,
-        *,
-        logp: torch.Tensor,
-        old_logp: torch.Tensor,
-        adv: torch.Tensor,
-        response_mask: torch.Tensor,
-        clip_low: float,
-        clip_high: float,
-        clip_ratio_c: float = 3.0,
-        loss_agg_mode: str = "token-mean",
-        max_response_length: int | None = None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+    logp, old_logp, adv, response_mask: [B, T]; clip_low, clip_high: the clip range [1 - clip_low,
+    1 + clip_high]; clip_ratio_c: the dual-clip bound for negative advantages; loss_agg_mode and
+    max_response_length: the aggregation (agg.py).
+    """
+
+    logp: torch.Tensor
+    old_logp: torch.Tensor
+    adv: torch.Tensor
+    response_mask: torch.Tensor
+    clip_low: float
+    clip_high: float
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    max_response_length: int | None = None
 
 
-POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+LossResult = tuple[torch.Tensor, dict[str, torch.Tensor]]
+PolicyLossFn = Callable[[LossInputs], LossResult]
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator: add a policy loss to POLICY_LOSSES under `name`."""
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A registered policy loss, called with LossInputs' fields as keywords."""
 
-    def register(fn: PolicyLossFn) -> PolicyLossFn:
+    name: str
+    fn: PolicyLossFn
+
+    def __call__(self, **inputs: Any) -> LossResult:
+        return self.fn(LossInputs(**inputs))
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLoss]:
+    """Decorator: add a policy loss to POLICY_LOSSES under `name`; returns the registered loss, so the
+    module's name calls it with keywords as the registry does."""
+
+    def register(fn: PolicyLossFn) -> PolicyLoss:
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = fn
-        return fn
+        POLICY_LOSSES[name] = PolicyLoss(name=name, fn=fn)
+        return POLICY_LOSSES[name]
 
     return register
 
 
-def get_policy_loss(name: str) -> PolicyLossFn:
+def get_policy_loss(name: str) -> PolicyLoss:
     """The registered policy loss `name`; ValueError listing the allowed names otherwise."""
     if name not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {name!r}; allowed: {sorted(POLICY_LOSSES)}")
@@ -63,18 +82,7 @@ def get_policy_loss(name: str) -> PolicyLossFn:
 
 
 @register_policy_loss("ppo_clip")
-def ppo_clip(
-    *,
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    adv: torch.Tensor,
-    response_mask: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
-    clip_ratio_c: float = 3.0,
-    loss_agg_mode: str = "token-mean",
-    max_response_length: int | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def ppo_clip(x: LossInputs) -> LossResult:
     """Clipped surrogate (Schulman et al. 2017, eq. 7) with asymmetric clip range
     [1 - clip_low, 1 + clip_high] (DAPO clip-higher) and dual clip for adv < 0
     (Ye et al. 2020, arXiv 1912.09729); verl `compute_policy_loss_vanilla`.
@@ -83,6 +91,8 @@ def ppo_clip(
     Dual clip: for negative advantages the loss is capped at -adv * clip_ratio_c, so a huge
     ratio on a bad token cannot produce an unbounded update.
     """
+    logp, old_logp, adv, response_mask = x.logp, x.old_logp, x.adv, x.response_mask
+    clip_low, clip_high, clip_ratio_c = x.clip_low, x.clip_high, x.clip_ratio_c
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO, got {clip_ratio_c}")
     log_ratio = (logp - old_logp).clamp(-PPO_LOG_RATIO_CLAMP, PPO_LOG_RATIO_CLAMP)
@@ -92,8 +102,8 @@ def ppo_clip(
     pessimistic = torch.maximum(unclipped, clipped)  # loss form of min(r A, clip(r) A)
     dual_bound = -adv * clip_ratio_c
     pg_losses = torch.where(adv < 0, torch.minimum(pessimistic, dual_bound), pessimistic)
-    loss = agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
-                    max_response_length=max_response_length)
+    loss = agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=x.loss_agg_mode,
+                    max_response_length=x.max_response_length)
     lower_clipped = (pessimistic > dual_bound) & (adv < 0)
     stats = {
         "pg_clipfrac": masked_mean((clipped > unclipped).to(logp.dtype), response_mask).detach(),
@@ -104,18 +114,7 @@ def ppo_clip(
 
 
 @register_policy_loss("gspo")
-def gspo(
-    *,
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    adv: torch.Tensor,
-    response_mask: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
-    clip_ratio_c: float = 3.0,
-    loss_agg_mode: str = "token-mean",
-    max_response_length: int | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def gspo(x: LossInputs) -> LossResult:
     """Group Sequence Policy Optimization (Zheng et al. 2025, arXiv 2507.18071, GSPO-token form);
     verl `compute_policy_loss_gspo`.
 
@@ -125,6 +124,7 @@ def gspo(
     The paper and verl aggregate with "seq-mean-token-mean"; verl forces that mode, here the
     passed `loss_agg_mode` is honoured, so configure it. No dual clip (`clip_ratio_c` unused).
     """
+    logp, old_logp, adv, response_mask = x.logp, x.old_logp, x.adv, x.response_mask
     log_ratio = logp - old_logp  # [B, T]
     lengths = response_mask.sum(dim=-1).clamp_min(1)  # [B]
     seq_log_ratio = masked_sum(log_ratio, response_mask, dim=-1) / lengths  # [B]
@@ -132,10 +132,10 @@ def gspo(
     token_log_ratio = logp - logp.detach() + seq_log_ratio.detach().unsqueeze(-1)
     ratio = torch.exp(token_log_ratio.clamp(max=GSPO_LOG_RATIO_MAX))
     unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    clipped = -adv * ratio.clamp(1.0 - x.clip_low, 1.0 + x.clip_high)
     pg_losses = torch.maximum(unclipped, clipped)
-    loss = agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
-                    max_response_length=max_response_length)
+    loss = agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=x.loss_agg_mode,
+                    max_response_length=x.max_response_length)
     stats = {
         "pg_clipfrac": masked_mean((clipped > unclipped).to(logp.dtype), response_mask).detach(),
         "pg_clipfrac_lower": torch.zeros((), dtype=logp.dtype, device=logp.device),
