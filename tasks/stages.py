@@ -265,11 +265,18 @@ def sampler_start(ctx: StageContext, iteration: int) -> int:
     previous iteration's rollout ended (its buffer's record), 0 for the first."""
     if iteration == 1:
         return 0
-    ref = load_ref(ctx.store, ctx.plan.run_id, iteration - 1, "rollout")
+    return int(recorded_before(ctx, iteration, "rollout", "sampling/next_step",
+                               f"dynamic sampling: iteration {iteration} draws from the sampler step where "
+                               f"iteration {iteration - 1}'s rollout ended"))
+
+
+def recorded_before(ctx: StageContext, iteration: int, buffer: str, metric: str, why: str) -> float:
+    """The metric iteration `iteration` - 1 recorded in its `buffer` buffer; `why` it is needed goes in the
+    error when that buffer is not in storage."""
+    ref = load_ref(ctx.store, ctx.plan.run_id, iteration - 1, buffer)
     if ref is None:
-        raise RuntimeError(f"dynamic sampling: iteration {iteration} draws from the sampler step where iteration "
-                           f"{iteration - 1}'s rollout ended, and that rollout buffer is not in storage")
-    return int(read_buffer(ctx.store, ref).meta["metrics"]["sampling/next_step"])
+        raise RuntimeError(f"{why}, and that iteration's {buffer} buffer is not in storage")
+    return float(read_buffer(ctx.store, ref).meta["metrics"][metric])
 
 
 @graph_stage("generate_baseline")
@@ -378,11 +385,8 @@ def multiplier_before(ctx: StageContext, iteration: int) -> float:
     the first), as that iteration's advantage buffer recorded it."""
     if iteration == 1:
         return ctx.plan.algorithm.lagrange_init
-    ref = load_ref(ctx.store, ctx.plan.run_id, iteration - 1, "advantage")
-    if ref is None:
-        raise RuntimeError(f"safe RL: iteration {iteration} updates the Lagrange multiplier of iteration "
-                           f"{iteration - 1}, and that iteration's advantage buffer is not in storage")
-    return float(read_buffer(ctx.store, ref).meta["metrics"]["safety/lambda"])
+    return recorded_before(ctx, iteration, "advantage", "safety/lambda",
+                           f"safe RL: iteration {iteration} updates the Lagrange multiplier of iteration {iteration - 1}")
 
 
 @graph_stage("score_baseline")
