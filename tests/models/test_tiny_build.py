@@ -167,3 +167,17 @@ def test_a_build_says_how_far_it_is(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert evaluation[0] == "rlflow: tiny sort model: evaluation 0/256"
     assert evaluation[-1].startswith("rlflow: tiny sort model: evaluation 256/256, ")
     assert read_report(tmp_path / "m").steps == 3
+
+
+def test_the_build_threads_give_the_bits_of_one_thread() -> None:
+    """A build uses BUILD_THREADS threads (up to 2) and must give the bits one thread gives: the cache name
+    and every resume assume one (task, seed) has one set of weights on every machine. (4 threads give
+    other bits after 8 steps: this test fails if BUILD_THREADS is raised to 4.)"""
+    def warm(threads: int) -> str:
+        with tiny.deterministic_cpu(threads):
+            tokenizer = tiny.build_tokenizer()
+            model = tiny.build_model(tokenizer, 0, tiny.SHAPE)
+            tiny.warm_start(model, tokenizer, "arith", 0, 8)
+        return weights_sha256(model)
+
+    assert warm(tiny.BUILD_THREADS) == warm(1)
