@@ -1,4 +1,5 @@
-"""Rewards: rule functions dispatched on data_source, custom functions, and sandboxed code rewards.
+"""Rewards: rule functions dispatched on data_source, custom functions, sandboxed code rewards (sandbox.py),
+and a learned reward model's model code (reward_model.py, not imported here: it loads transformers).
 
 `score_batch` is the one entry point the reward stage calls (on chunks of a batch, in parallel Ray
 tasks); this package itself imports neither Ray nor Prefect.
