@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 
 from infra.config import StackConfig
 from infra.stack import LocalStack, ServiceStatus, StackStatus, connect_env
@@ -46,9 +47,13 @@ def _config(args: argparse.Namespace) -> StackConfig:
 
 
 def _up(args: argparse.Namespace) -> int:
+    from flows.progress import phase
+
     stack = LocalStack(_config(args))
-    print(f"state folder {stack.home}")
-    _print(stack.up())
+    print(f"state folder {stack.home}", flush=True)
+    with phase("the local stack (Prefect server, Ray head)", sys.stdout.isatty()):
+        status = stack.up()
+    _print(status)
     return 0
 
 
