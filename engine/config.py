@@ -63,7 +63,8 @@ class DataConfig(Section):
 
 
 class MultiTurnConfig(Section):
-    """Multi-turn rollouts with tools (engine/rollout/multi_turn.py): assistant -> tool -> assistant."""
+    """Multi-turn rollouts (engine/rollout/multi_turn.py): assistant -> tool -> assistant with tools, or
+    assistant -> environment -> assistant with rollout.env."""
 
     enable: bool = False
     tools: list[str] = Field(default_factory=list, description="the tools, each 'module:function' or "
@@ -78,6 +79,12 @@ class MultiTurnConfig(Section):
                                   "error observation")
     tool_memory_mb: int = Field(512, gt=0, description="address-space cap of the process a tool call runs in")
     max_tool_response_chars: int = Field(256, gt=0, description="an observation longer than this is cut")
+    env_step_timeout_s: float = Field(10.0, gt=0, description="rollout.env: wall clock of the environment's init "
+                                      "and of each step; past it the episode ends as an error")
+    env_memory_mb: int = Field(512, gt=0, description="rollout.env: address-space cap of an episode's "
+                               "environment process")
+    env_error_reward: float = Field(0.0, description="rollout.env: the reward of an episode that ended as an "
+                                    "error (the environment raised, hung, ran out of memory or answered wrongly)")
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -128,12 +135,21 @@ class RolloutConfig(Section):
         "resharded after (no second copy of the model on a rank); copy: a full unsharded copy on every rank, "
         "refreshed from the shards after each update")
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="multi-turn rollouts with "
-                                        "tools (multi_turn.enable=true)")
+                                        "tools or an environment (multi_turn.enable=true)")
+    env: str | None = Field(None, description="a text environment, 'module:Class' or 'path/to/file.py:Class', "
+                            "with init(row) -> prompt messages and step(assistant_text) -> (observation messages, "
+                            "reward, done, info); each episode's runs in a sandbox process of its own and gives "
+                            "the reward (engine/rollout/envs.py); needs multi_turn.enable=true")
     log_prob_max_tokens_per_micro_batch: int | None = Field(
         None, gt=0, description="token budget of the old log-prob pass's micro-batches (default: the actor's); "
         "that pass runs actor.micro_batch_size rows at most")
 
     vllm: VllmConfig = Field(default_factory=VllmConfig, description="rollout.name=vllm: the engine's size")
+
+    @field_validator("env")
+    @classmethod
+    def _absolute_env(cls, value: str | None) -> str | None:
+        return checked_reference(value) if value is not None else None
 
 
 class LoraConfig(Section):

@@ -18,6 +18,9 @@ from tasks.graph import StageSpec, load_user_stage
 # The prompt columns a rollout writes besides its responses (what the sampler gives, encoded).
 PROMPT_COLUMNS = ("input_ids", "attention_mask", "row_index", "group_id", "data_source", "ground_truth",
                   "extra_info")
+# rollout.env: what the episodes add (engine.rollout.envs.EnvEpisodes)
+ENV_COLUMNS = ("env_token_rewards", "env_reward", "env_errors", "env_steps", "env_prompt", "env_error",
+               "prompt_json")  # the last: the data row's prompt, which init(row) read
 SCORED = ("response_text", "data_source", "ground_truth", "extra_info")  # what a rule reward looks at
 SEQUENCES = ("input_ids", "attention_mask", "responses", "response_mask")  # what a forward pass needs
 
@@ -25,7 +28,8 @@ SEQUENCES = ("input_ids", "attention_mask", "responses", "response_mask")  # wha
 def stages_for(cfg: RLConfig) -> list[StageSpec]:
     """The stage list of one iteration for this config, wired and checked."""
     spec = get_adv_estimator(cfg.algorithm.adv_estimator)
-    turns = ("turns", "tool_calls", "tool_errors") if cfg.rollout.multi_turn.enable else ()
+    env = cfg.rollout.env is not None
+    turns = ("turns", *(ENV_COLUMNS if env else ("tool_calls", "tool_errors"))) if cfg.rollout.multi_turn.enable else ()
     stages = [StageSpec(name="generate_rollouts", task="generate_rollouts", reads=(), engine=True, buffer="rollout",
                         writes=(*PROMPT_COLUMNS, "prompt_ids", "responses", "response_mask", "response_text",
                                 "rollout_logp", "rollout_version", *turns))]
@@ -36,6 +40,7 @@ def stages_for(cfg: RLConfig) -> list[StageSpec]:
     rm = cfg.reward.model.enabled  # a learned reward model: an engine call, on the prompts of the rows
     stages.append(StageSpec(name="score_rewards", task="score_rewards", engine=rm, buffer="reward",
                             reads=(*SCORED, "response_mask", *(["row_index"] if rm else []),
+                                   *(["env_reward", "env_token_rewards"] if env else []),
                                    # DAPO's overlong penalty: the responses' lengths (engine.batch.response_lengths)
                                    *(["attention_mask"] if cfg.reward.overlong_buffer_len else [])),
                             writes=("score", "token_scores", *(["rule_score", "rm_score"] if rm else []))))

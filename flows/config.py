@@ -353,16 +353,32 @@ class RLConfig(BaseModel):
                          f"({algo.lagrange_max})")
 
     def _check_multi_turn(self) -> None:
-        mt = self.rollout.multi_turn
+        mt, env = self.rollout.multi_turn, self.rollout.env
         if not mt.enable:
-            for key in ("tools", "format", "max_turns", "tool_timeout_s", "tool_memory_mb", "max_tool_response_chars"):
+            if env is not None:
+                raise _cross("rollout.env", env, "runs multi-turn episodes: it needs rollout.multi_turn.enable=true")
+            for key in ("tools", "format", "max_turns", "tool_timeout_s", "tool_memory_mb", "max_tool_response_chars",
+                        *ENV_KEYS):
                 if _differs_from_default(mt, key):
                     raise _cross(f"rollout.multi_turn.{key}", getattr(mt, key), "is a setting of multi-turn "
                                  "rollouts: it needs rollout.multi_turn.enable=true")
             return
-        if not mt.tools:
-            raise _cross("rollout.multi_turn.enable", True, "needs at least one tool: set rollout.multi_turn.tools "
-                         "to 'module:function' or 'path/to/file.py:function'")
+        if env is None:
+            if not mt.tools:
+                raise _cross("rollout.multi_turn.enable", True, "needs at least one tool (rollout.multi_turn.tools) "
+                             "or an environment (rollout.env), each 'module:name' or 'path/to/file.py:name'")
+            for key in ENV_KEYS:
+                if _differs_from_default(mt, key):
+                    raise _cross(f"rollout.multi_turn.{key}", getattr(mt, key), "is a setting of an environment's "
+                                 "episodes: it needs rollout.env")
+            return
+        for key in ("tools", "format", "tool_timeout_s", "tool_memory_mb", "max_tool_response_chars"):
+            if _differs_from_default(mt, key):
+                raise _cross(f"rollout.multi_turn.{key}", getattr(mt, key), "is a setting of tool calls; with "
+                             "rollout.env the environment answers each turn (give it the tools)")
+        if self.reward.function is not None:
+            raise _cross("reward.function", self.reward.function, "scores responses, and with rollout.env the "
+                         "environment gives the reward")
 
     def _check_reward_model(self) -> None:
         model = self.reward.model
@@ -496,6 +512,9 @@ class _CrossSectionError(ValueError):
     def __init__(self, key: str, value: Any, allowed: str) -> None:
         super().__init__(allowed)
         self.key, self.value, self.allowed = key, value, allowed
+
+
+ENV_KEYS = ("env_step_timeout_s", "env_memory_mb", "env_error_reward")  # rollout.multi_turn's for rollout.env
 
 
 def _cross(key: str, value: Any, allowed: str) -> _CrossSectionError:

@@ -181,6 +181,13 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
         check_has_code("model.trust_remote_code", model_path, tokenizer_path)
     tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=cfg.model.trust_remote_code)
     tools = describe(load_tools(cfg.rollout.multi_turn.tools)) if cfg.rollout.multi_turn.enable else None
+    if cfg.rollout.env is not None:  # the class is imported in the sandbox, as its episodes will import it
+        from engine.rollout.envs import EnvLimits, check_chat_template, check_env, env_files
+
+        check_chat_template(tokenizer)
+        mt = cfg.rollout.multi_turn
+        check_env(cfg.rollout.env, EnvLimits(mt.env_step_timeout_s, mt.env_memory_mb, cfg.reward.sandbox.isolation),
+                  env_files(cfg.rollout.env))
     synthetic = None
     if not cfg.data.train_files:  # the synthetic data.task: demo code, its files written here
         from engine.demo.data import ensure_synthetic_data
@@ -208,7 +215,8 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
     if resume:
         check_same_base(runs, run_id, identity)
     stages_for(cfg)  # refuses a stage that reads a column nobody writes
-    check_reward(train, cfg.reward)
+    if cfg.rollout.env is None:  # with an environment, the environment gives the reward
+        check_reward(train, cfg.reward)
     if cfg.reward.cost_function is not None:  # safe RL's cost is scored as a reward is
         check_reward(train, cfg.reward.model_copy(update={"function": cfg.reward.cost_function,
                                                           "overlong_buffer_len": 0}))
@@ -385,6 +393,7 @@ def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str
         trust_remote_code=cfg.model.trust_remote_code, rollout=cfg.rollout, actor=actor, ref=cfg.ref,
         use_ref=cfg.needs_ref, total_iterations=cfg.trainer.total_iterations, seed=cfg.trainer.seed,
         sandbox_isolation=cfg.reward.sandbox.isolation, max_model_len=cfg.max_model_len,
+        max_prompt_length=cfg.data.max_prompt_length,
     )
     rm_cfg = cfg.reward.model
     reward_model = None

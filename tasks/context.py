@@ -8,6 +8,7 @@ runner's runtime_env), and the engine is found by run id.
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,6 +140,8 @@ class StageContext:
                 "data_source": [r.data_source for r in rows],
                 "ground_truth": [r.ground_truth for r in rows],
                 "extra_info": [r.extra_info for r in rows],
+                # rollout.env: an episode's init(row) reads the row's prompt
+                **({"prompt_json": [json.dumps(r.prompt) for r in rows]} if self.plan.rollout.env else {}),
             },
         )
 

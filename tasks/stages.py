@@ -193,6 +193,8 @@ def generate_rollouts(ctx: StageContext, iteration: int, stage: StageSpec, input
     gen_s = time.perf_counter() - start
     if "tool_calls" in batch:
         metrics.update(tool_metrics(batch, "tools"))
+    if "env_errors" in batch:
+        metrics.update(env_metrics(batch, "env"))
     metrics.update({"timing_s/gen": gen_s, "perf/gen_tokens": tokens, "perf/gen_tokens_per_s": tokens / gen_s,
                     "async/rollout_version": float(version), "async/staleness": float(iteration - 1 - version)})
     get_run_logger().info("iteration %d: generated %d responses in %.2f s with the weights of version %d",
@@ -205,6 +207,18 @@ def tool_metrics(batch: Batch, prefix: str) -> dict[str, float]:
     calls, errors = batch["tool_calls"].float(), batch["tool_errors"].float()
     return {f"{prefix}/call_rate": float((calls > 0).float().mean()), f"{prefix}/calls_per_response": float(calls.mean()),
             f"{prefix}/error_rate": float(errors.sum() / calls.sum()) if float(calls.sum()) else 0.0}
+
+
+def env_metrics(batch: Batch, prefix: str) -> dict[str, float]:
+    """rollout.env: the episodes' reward, steps, and how many ended as an error (the first few named in
+    the log)."""
+    errors = batch["env_errors"].float()
+    failed = [(i, why) for i, why in enumerate(batch["env_error"]) if why]
+    for i, why in failed[:3]:
+        get_run_logger().warning("episode %d ended as an error: %s", i, why)
+    return {f"{prefix}/reward/mean": float(batch["env_reward"].mean()), f"{prefix}/steps/mean":
+            float(batch["env_steps"].float().mean()), f"{prefix}/errors": float(errors.sum()),
+            f"{prefix}/error_rate": float(errors.mean())}
 
 
 def _dynamic_sampling(ctx: StageContext, iteration: int, stage: StageSpec, version: int
@@ -317,6 +331,8 @@ def _score(ctx: StageContext, batch: Batch, text_key: str = "response_text", cfg
     One chunk is scored here: a Ray task for it would cost more than rule rewards take, and each
     extra num_cpus=0 task may start a worker process that competes with the next stage for the cores.
     """
+    if "env_reward" in batch and cfg is None and text_key == "response_text":  # rollout.env: the episodes' reward
+        return batch["env_reward"].float(), 0
     cfg = cfg or ctx.plan.reward
     size = cfg.chunk_size
     if len(batch) <= size:
@@ -364,7 +380,12 @@ def score_rewards(ctx: StageContext, iteration: int, stage: StageSpec, inputs: d
         metrics.update({"reward/rule/mean": float(rule.mean()), "reward/rm/mean": float(rm.mean()),
                         "reward/rm/std": float(rm.std()) if len(rm) > 1 else 0.0,
                         "timing_s/reward_model": time.perf_counter() - start})
-    out = Batch({"score": score, "token_scores": at_last_token(score, batch["response_mask"]), **columns}, {})
+    token_scores = at_last_token(score, batch["response_mask"])
+    if "env_token_rewards" in batch:  # each step's reward at its own turn's last token, the rest at the end
+        weight = ctx.plan.reward.rule_weight if model.path is not None else 1.0
+        token_scores = at_last_token(score - weight * rule, batch["response_mask"]) + \
+            weight * batch["env_token_rewards"].float()
+    out = Batch({"score": score, "token_scores": token_scores, **columns}, {})
     return _write(ctx, iteration, stage, out, {"timing_s/reward": time.perf_counter() - start, **metrics})
 
 
@@ -585,6 +606,8 @@ def validate(plan: RunPlan, iteration: int) -> StageResult:
                "val/response_length/mean": float(response_lengths(out).float().mean())}
     if "tool_calls" in out:
         metrics.update(tool_metrics(out, "val/tools"))
+    if "env_errors" in out:
+        metrics.update(env_metrics(out, "val/env"))
     for source in sorted(set(out["data_source"])):
         rows = torch.tensor([s == source for s in out["data_source"]])
         metrics[f"val/{source}/score/mean"] = float(score[rows].mean())

@@ -388,6 +388,35 @@ def test_multi_turn_and_reward_model_settings_outside_their_mode_are_refused(ove
         assert build_config(json.loads(json.dumps(cfg.public_dict()))).config_hash() == cfg.config_hash()
 
 
+ENV = ("rollout.multi_turn.enable=true", "rollout.env=engine.rollout.builtin_envs:GuessNumber")
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (ENV[1:], "rollout.env='engine.rollout.builtin_envs:GuessNumber' is not allowed: runs multi-turn episodes: it "
+              "needs rollout.multi_turn.enable=true"),
+    ([*ENV, "rollout.multi_turn.tools=engine.rollout.builtin_tools:calculator"],
+     "rollout.multi_turn.tools=['engine.rollout.builtin_tools:calculator'] is not allowed: is a setting of tool calls"),
+    ([*ENV, "rollout.multi_turn.tool_timeout_s=2"], "rollout.multi_turn.tool_timeout_s=2.0 is not allowed: is a "
+                                                    "setting of tool calls"),
+    ([*ENV, "reward.function=engine.rollout.builtin_tools:calculator"],
+     "is not allowed: scores responses, and with rollout.env the environment gives the reward"),
+    (["rollout.multi_turn.env_error_reward=-1"], "rollout.multi_turn.env_error_reward=-1.0 is not allowed: is a "
+                                                 "setting of multi-turn rollouts"),
+    (["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=engine.rollout.builtin_tools:calculator",
+      "rollout.multi_turn.env_step_timeout_s=3"], "rollout.multi_turn.env_step_timeout_s=3.0 is not allowed: is a "
+                                                  "setting of an environment's episodes: it needs rollout.env"),
+    (["rollout.multi_turn.enable=true", "rollout.env=engine.rollout.builtin_envs:Nope"],
+     "rollout.env='engine.rollout.builtin_envs:Nope' is not allowed: "),
+])
+def test_environment_settings_outside_their_mode_are_refused(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)) as err:
+        load_config(None, list(overrides))
+    assert "\n" not in str(err.value)
+    cfg = load_config(None, [*ENV, "rollout.multi_turn.env_error_reward=-1", "rollout.multi_turn.max_turns=4"])
+    assert cfg.rollout.env == "engine.rollout.builtin_envs:GuessNumber"
+    assert build_config(json.loads(json.dumps(cfg.public_dict()))).config_hash() == cfg.config_hash()
+
+
 ABSURD = {  # accepted on main, found out mid-run or never: refused at load, one line naming the setting
     "actor.lr=.inf": "actor.lr=inf is not allowed: Input should be a finite number",
     "trainer.stage_timeouts={update_policy: .nan}": "trainer.stage_timeouts={'update_policy': nan} is not allowed: "

@@ -208,13 +208,13 @@ def _run_child(jobs: Sequence[SandboxJob], limits: SandboxLimits, readable: Sequ
         except OSError as err:
             raise RewardError(f"the reward sandbox could not start {sys.executable}: {err}") from err
         lines: queue.Queue[bytes | None] = queue.Queue()
-        reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
+        reader = threading.Thread(target=pump_lines, args=(proc.stdout, lines), daemon=True)
         reader.start()
         try:
             _await_ready(proc, lines, stderr, limits)
             return _collect(proc, jobs, lines, limits)
         finally:
-            _kill(proc)
+            kill_child(proc)
             reader.join(timeout=5)
 
 
@@ -300,8 +300,13 @@ def child_command(limits: SandboxLimits, readable: Sequence[str] = ()) -> list[s
     read-only, a private /tmp (what the jobs need from the real /tmp, read-only: this interpreter, its
     environment, rlflow's source, `readable`), no capabilities, and the namespace ended with the child."""
     cpu_s = int(limits.timeout_s) + 2  # a job's CPU seconds: its wall clock bounds it first
-    child = [sys.executable, "-I", "-c", _CHILD, str(limits.memory_mb * 2**20), str(RESULT_CAP), str(FILE_CAP),
-             str(cpu_s)]
+    return confined([sys.executable, "-I", "-c", _CHILD, str(limits.memory_mb * 2**20), str(RESULT_CAP),
+                     str(FILE_CAP), str(cpu_s)], limits, readable)
+
+
+def confined(child: list[str], limits: SandboxLimits, readable: Sequence[str] = ()) -> list[str]:
+    """`child` (a command line) as the sandbox runs it: in bubblewrap as `child_command` says, or as it is
+    under isolation "none" (one warning line)."""
     if limits.isolation == "none":
         _warn_once("reward.sandbox.isolation=none: code the model writes or calls runs as this user, unconfined "
                    "(only its timeout and its memory and process caps apply)")
@@ -335,7 +340,7 @@ def _await_ready(
         line = None
     if line is not None and line.strip() == b'{"ready": true}':
         return
-    _kill(proc)
+    kill_child(proc)
     stderr.seek(0)
     tail = stderr.read().decode(errors="replace").strip().splitlines()[-3:]
     raise RewardError(
@@ -362,7 +367,7 @@ def _collect(
         try:
             line = lines.get(timeout=limits.timeout_s)
         except queue.Empty:
-            _kill(proc)
+            kill_child(proc)
             elapsed = time.monotonic() - start
             return results + [
                 SandboxResult("timeout", detail=f"killed after {elapsed:.2f} s", elapsed_s=elapsed)
@@ -370,7 +375,7 @@ def _collect(
         elapsed = time.monotonic() - start
         record = _parse(line)
         if record is None:  # the child died mid-job
-            _kill(proc)
+            kill_child(proc)
             detail = f"the interpreter exited with code {proc.returncode}" if line is None else "bad output"
             return results + [SandboxResult("crashed", detail=detail, elapsed_s=elapsed)]
         results.append(
@@ -390,13 +395,13 @@ def _parse(line: bytes | None) -> dict[str, Any] | None:
     return record if ok else None
 
 
-def _pump(stream: IO[bytes], lines: queue.Queue[bytes | None]) -> None:
+def pump_lines(stream: IO[bytes], lines: queue.Queue[bytes | None]) -> None:
     for line in iter(lambda: stream.readline(RESULT_CAP + 4096), b""):  # the runner caps a result already
         lines.put(line)
     lines.put(None)  # end of output: the child exited or was killed
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> None:
+def kill_child(proc: subprocess.Popen[bytes]) -> None:
     """Kill the child and anything it started (its own session), then reap it."""
     if proc.poll() is None:
         try:

@@ -35,7 +35,8 @@ from engine.models.tokens import cache_argument, packed_inputs, positions, stop_
 from engine.rewards.reward_model import prompts_of
 from engine.rollout.backends import make_rollout
 from engine.rollout.base import SamplingParams
-from engine.rollout.multi_turn import generate_multi_turn
+from engine.rollout.envs import EnvEpisodes, EnvLimits, check_chat_template, env_files
+from engine.rollout.multi_turn import generate_multi_turn, run_episodes
 from engine.rollout.tools import load_tools, observation_renderer
 from engine.seeds import derive_seed
 from engine.state import weight_sync
@@ -70,9 +71,12 @@ def policy_model(spec: PolicySpec) -> tuple[Any, nn.Module, list[int], Any]:
 
 
 def rollout_tools(spec: PolicySpec, tokenizer: Any) -> dict[str, Any]:
-    """rollout.multi_turn: the tools by name ({} when off); a format the chat template cannot render is
-    refused here."""
+    """rollout.multi_turn: the tools by name ({} when off, or with rollout.env); a format the chat template
+    cannot render, or an environment's model without a chat template, is refused here."""
     if not spec.rollout.multi_turn.enable:
+        return {}
+    if spec.rollout.env is not None:
+        check_chat_template(tokenizer)
         return {}
     tools = load_tools(spec.rollout.multi_turn.tools)
     observation_renderer(tokenizer, spec.rollout.multi_turn.format)
@@ -134,7 +138,7 @@ class PolicyWorker(RankWorker):
             return generate_batch(self.rollout, prompts, self.spec.rollout, seed=self.spec.seed, iteration=iteration,
                                   rank=self.rank, do_sample=do_sample, version=self.version, draw=draw,
                                   tokenizer=self.tokenizer, tools=self.tools,
-                                  isolation=self.spec.sandbox_isolation)
+                                  isolation=self.spec.sandbox_isolation, prompt_width=self.spec.max_prompt_length)
 
     @contextmanager
     def _generating(self) -> Iterator[None]:
@@ -449,13 +453,21 @@ class PolicyWorker(RankWorker):
 
 def generate_batch(rollout: Any, prompts: Batch, cfg: RolloutConfig, *, seed: int, iteration: int, rank: int,
                    do_sample: bool, version: int, draw: int = 0, tokenizer: Any = None,
-                   tools: dict[str, Any] | None = None, isolation: Literal["bwrap", "none"] = "bwrap") -> Batch:
+                   tools: dict[str, Any] | None = None, isolation: Literal["bwrap", "none"] = "bwrap",
+                   prompt_width: int = 1024) -> Batch:
     """Responses to `prompts` in micro-batches of cfg.micro_batch_size, each sampled with a seed derived
     from (run seed, iteration, stage, draw, micro-batch, rank); the first draw's seeds leave the draw out. Adds `prompt_ids`, `responses`, `response_mask`,
     the full `input_ids` / `attention_mask` [B, P+T], the behaviour log-probs `rollout_logp` [B, T] and
     `rollout_version` [B] (the weights' version)."""
     params = SamplingParams(cfg.max_new_tokens, do_sample, cfg.temperature, cfg.top_p, cfg.top_k)
     stage = ("rollout" if do_sample else "rollout_greedy") + (f"/draw{draw}" if draw else "")
+    if cfg.env is not None:  # assistant -> environment -> assistant (engine/rollout/envs.py)
+        mt = cfg.multi_turn
+        episodes = EnvEpisodes(tokenizer, cfg.env, EnvLimits(mt.env_step_timeout_s, mt.env_memory_mb, isolation),
+                               width=prompt_width, error_reward=mt.env_error_reward, readable=env_files(cfg.env),
+                               seeds=[derive_seed(seed, iteration, f"{stage}/episode{r}", rank) for r in range(len(prompts))])
+        return run_episodes(rollout, tokenizer, episodes, prompts, cfg, seed=seed, iteration=iteration, rank=rank,
+                            do_sample=do_sample, version=version, stage=stage)
     if cfg.multi_turn.enable:  # assistant -> tool -> assistant (engine/rollout/multi_turn.py)
         return generate_multi_turn(rollout, tokenizer, tools or {}, prompts, cfg, seed=seed, iteration=iteration,
                                    rank=rank, do_sample=do_sample, version=version, stage=stage,

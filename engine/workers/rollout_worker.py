@@ -59,7 +59,8 @@ class RolloutWorker(RankWorker):
         self.check_version(expected_version)
         return generate_batch(self.rollout, prompts, self.spec.rollout, seed=self.spec.seed, iteration=iteration,
                               rank=self.rank, do_sample=do_sample, version=self.version, draw=draw,
-                              tokenizer=self.tokenizer, tools=self.tools, isolation=self.spec.sandbox_isolation)
+                              tokenizer=self.tokenizer, tools=self.tools, isolation=self.spec.sandbox_isolation,
+                              prompt_width=self.spec.max_prompt_length)
 
     # -- weights -----------------------------------------------------------------------------------
     def join_sync_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:

@@ -32,6 +32,7 @@ class PolicySpec(BaseModel):
     reward_model: RewardModelSpec | None = None  # reward.model.placement=colocated: loaded in every policy rank
     sandbox_isolation: Literal["bwrap", "none"] = "bwrap"  # reward.sandbox.isolation: how tool calls are confined
     max_model_len: int = 2048  # rollout.name=vllm: the engine's longest prompt + response (RLConfig.max_model_len)
+    max_prompt_length: int = 1024  # data.max_prompt_length: rollout.env pads an episode's prompt to it
 
 
 class CriticSpec(BaseModel):
