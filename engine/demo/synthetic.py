@@ -34,6 +34,9 @@ class SyntheticTask:
     # A task a tool helps with: (prompt text, ground truth) -> the reference response that calls it, as
     # segments (text, trained): the tool's observation is not trained on (the model reads it, never writes it).
     tool_solution: Callable[[str, str], list[tuple[str, bool]]] | None = None
+    # A task played against an environment: (ground truth, demonstration index) -> the whole episode as
+    # segments (text, trained), every demonstration (the environment's observations not trained on).
+    episode: Callable[[str, int], list[tuple[str, bool]]] | None = None
 
 
 def _arith(rng: random.Random) -> tuple[str, str]:
@@ -94,11 +97,39 @@ def _calc_with_tool(prompt: str, truth: str) -> list[tuple[str, bool]]:
             (f"#### {truth}", True)]
 
 
+GUESS_HIGH, GUESS_TURNS = 16, 4  # engine.rollout.builtin_envs.GuessNumber's default range; configs/tiny_guess.yaml's turns
+
+
+def _guess(rng: random.Random) -> tuple[str, str]:
+    # The secret of an episode of engine.rollout.builtin_envs.GuessNumber, which writes the prompt itself.
+    return f"guess 1-{GUESS_HIGH}", str(rng.randint(1, GUESS_HIGH))
+
+
+def _guess_episode(truth: str, index: int) -> list[tuple[str, bool]]:
+    """A GuessNumber episode in the tiny model's chat format, up to GUESS_TURNS guesses: the even
+    demonstrations bisect on the hints, the odd ones guess numbers not yet tried, ignoring the hints. A
+    model warm-started on both uses the hints some of the time; RL should teach it to use them always."""
+    secret, low, high = int(truth), 1, GUESS_HIGH
+    rng = random.Random(f"guess/{truth}/{index}")
+    untried = list(range(1, GUESS_HIGH + 1))
+    segments: list[tuple[str, bool]] = []
+    for turn in range(GUESS_TURNS):
+        guess = (low + high) // 2 if index % 2 == 0 else untried.pop(rng.randrange(len(untried)))
+        segments.append((str(guess), True))
+        if guess == secret or turn + 1 == GUESS_TURNS:
+            break  # the builder adds the eos of the last turn
+        hint = "higher" if guess < secret else "lower"
+        low, high = (guess + 1, high) if hint == "higher" else (low, guess - 1)
+        segments += [("</s>", True), (f"<|user|>{hint}<|assistant|>", False)]
+    return segments
+
+
 TASKS: dict[str, SyntheticTask] = {
     "arith": SyntheticTask("arith", "rlflow/arith", "math", _arith, lambda gt: f"#### {gt}"),
     "sort": SyntheticTask("sort", "rlflow/sort", "sort", _sort, lambda gt: f"#### {gt}"),
     "countdown": SyntheticTask("countdown", "rlflow/countdown", "math", _countdown, _countdown_solution),
     "calc": SyntheticTask("calc", "rlflow/calc", "math", _calc, lambda gt: f"#### {gt}", _calc_with_tool),
+    "guess": SyntheticTask("guess", "rlflow/guess", "game", _guess, str, episode=_guess_episode),
 }
 
 

@@ -36,6 +36,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -54,7 +55,7 @@ from engine.cpu_kernels import AVX2_ENV, kernel_tag, pinned_here
 from engine.demo import progress
 from engine.demo.folders import empty_target, into_place
 from engine.demo.progress import report
-from engine.demo.synthetic import TASKS, make_rows, solution_text
+from engine.demo.synthetic import GUESS_TURNS, TASKS, make_rows, solution_text
 from engine.errors import ConfigError, RLFlowError
 from engine.models import loading
 from engine.models.loading import cache_dir, load_model, load_tokenizer, source_digest
@@ -217,7 +218,9 @@ def sft_batches(
         seqs, labels = [], []
         for k, row in enumerate(rows[start : start + BATCH_SIZE]):
             prompt = tokenizer(prompt_text(tokenizer, row["prompt"]), add_special_tokens=False)["input_ids"]
-            if spec.tool_solution is not None and k % 2 == 0:  # half the demonstrations call the task's tool
+            if spec.episode is not None:  # a game against an environment: the whole episode
+                segments = spec.episode(row["reward_model"]["ground_truth"], start + k)
+            elif spec.tool_solution is not None and k % 2 == 0:  # half the demonstrations call the task's tool
                 segments = spec.tool_solution(row["prompt"][0]["content"], row["reward_model"]["ground_truth"])
             else:
                 segments = [(solution_text(row), True)]
@@ -350,6 +353,8 @@ def exact_answer_rate(
     model = model or load_model(str(model_dir))
     assert isinstance(model, GenerationMixin), f"{type(model).__name__} cannot generate"
     rows = make_rows(task, n, seed, split="val")
+    if task == "guess":
+        return guess_success_rate(model, tokenizer, rows)
     correct = 0
     report(f"tiny {task} model: evaluation", 0, n)
     for start in range(0, n, batch_size):
@@ -369,6 +374,34 @@ def exact_answer_rate(
             correct += is_correct(task, response, row["reward_model"]["ground_truth"])
         report(f"tiny {task} model: evaluation", start + len(chunk), n)
     return correct / n if n else 0.0
+
+
+def guess_success_rate(model: Any, tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]]) -> float:
+    """Share of GuessNumber episodes (engine.rollout.builtin_envs, played here in-process, greedy) that find
+    the row's secret within GUESS_TURNS turns: the warm start's "before" of configs/tiny_guess.yaml."""
+    from engine.rollout.builtin_envs import GuessNumber
+
+    found = 0
+    report("tiny guess model: evaluation", 0, len(rows))
+    for i, row in enumerate(rows):
+        env = GuessNumber()
+        messages = env.init({"ground_truth": row["reward_model"]["ground_truth"]})
+        ids = tokenizer(prompt_text(tokenizer, messages), add_special_tokens=False)["input_ids"]
+        for _ in range(GUESS_TURNS):
+            out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=MAX_NEW_TOKENS, do_sample=False, use_cache=True,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            turn = out[0, len(ids):].tolist()
+            observations, reward, done, _ = env.step(tokenizer.decode(turn, skip_special_tokens=True))
+            if done:
+                found += reward > 0
+                break
+            hint = "".join(f"<|{m['role']}|>{m['content']}" for m in observations) + "<|assistant|>"
+            if not turn or turn[-1] != tokenizer.eos_token_id:  # cut at the length: the template ends the turn
+                hint = EOS + hint
+            ids = ids + turn + tokenizer(hint, add_special_tokens=False)["input_ids"]
+        report("tiny guess model: evaluation", i + 1, len(rows))
+    return found / len(rows) if rows else 0.0
 
 
 # ---------------------------------------------------------------------------------------------------
