@@ -85,6 +85,10 @@ class MultiTurnConfig(Section):
                                "environment process")
     env_error_reward: float = Field(0.0, description="rollout.env: the reward of an episode that ended as an "
                                     "error (the environment raised, hung, ran out of memory or answered wrongly)")
+    env_rollout_timeout_s: float | None = Field(None, gt=0, description="rollout.env: wall clock of all the "
+                                                "episodes of one rollout on a rank; past it, each episode still "
+                                                "waiting on its environment ends as an error, and the rollout's log "
+                                                "names them (a cut by time: a replay may cut elsewhere); None: none")
 
     @field_validator("tools", mode="before")
     @classmethod

@@ -379,6 +379,9 @@ class RLConfig(BaseModel):
         if self.reward.function is not None:
             raise _cross("reward.function", self.reward.function, "scores responses, and with rollout.env the "
                          "environment gives the reward")
+        if self.reward.model.path is not None:
+            raise _cross("reward.model.path", self.reward.model.path, "reads the data's prompt, and with rollout.env "
+                         "an episode's prompt is the environment's: a reward model beside an environment is not built")
 
     def _check_reward_model(self) -> None:
         model = self.reward.model
@@ -514,7 +517,7 @@ class _CrossSectionError(ValueError):
         self.key, self.value, self.allowed = key, value, allowed
 
 
-ENV_KEYS = ("env_step_timeout_s", "env_memory_mb", "env_error_reward")  # rollout.multi_turn's for rollout.env
+ENV_KEYS = ("env_step_timeout_s", "env_memory_mb", "env_error_reward", "env_rollout_timeout_s")  # rollout.multi_turn's for rollout.env
 
 
 def _cross(key: str, value: Any, allowed: str) -> _CrossSectionError:

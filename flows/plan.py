@@ -75,7 +75,7 @@ def new_run_id(cfg: RLConfig) -> str:
 # What a run executes, or where it writes its own files: always the launching user's config and command
 # line (or a deployment's parameters), never a stored record (whoever can write the bucket writes run.json).
 CODE_SETTINGS = ("reward.function", "reward.cost_function", "algorithm.extra_stages", "rollout.multi_turn.tools",
-                 "model.trust_remote_code", "reward.model.trust_remote_code", "trainer.log_dir", "trainer.loggers")
+                 "rollout.env", "model.trust_remote_code", "reward.model.trust_remote_code", "trainer.log_dir", "trainer.loggers")
 
 
 def resume_config(store: ObjectStore, run_id: str, cfg: RLConfig | None, overrides: list[str]) -> RLConfig:

@@ -213,12 +213,16 @@ def env_metrics(batch: Batch, prefix: str) -> dict[str, float]:
     """rollout.env: the episodes' reward, steps, and how many ended as an error (the first few named in
     the log)."""
     errors = batch["env_errors"].float()
-    failed = [(i, why) for i, why in enumerate(batch["env_error"]) if why]
+    late = [i for i, why in enumerate(batch["env_error"]) if "env_rollout_timeout_s" in why]
+    failed = [(i, why) for i, why in enumerate(batch["env_error"]) if why and i not in late]
     for i, why in failed[:3]:
         get_run_logger().warning("episode %d ended as an error: %s", i, why)
+    if late:
+        get_run_logger().warning("%d episodes ran past the rollout's deadline (rollout.multi_turn.env_rollout_timeout_s)"
+                                 " and ended as errors: rows %s", len(late), ", ".join(map(str, late)))
     return {f"{prefix}/reward/mean": float(batch["env_reward"].mean()), f"{prefix}/steps/mean":
             float(batch["env_steps"].float().mean()), f"{prefix}/errors": float(errors.sum()),
-            f"{prefix}/error_rate": float(errors.mean())}
+            f"{prefix}/error_rate": float(errors.mean()), f"{prefix}/late": float(len(late))}
 
 
 def _dynamic_sampling(ctx: StageContext, iteration: int, stage: StageSpec, version: int

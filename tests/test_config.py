@@ -400,6 +400,7 @@ ENV = ("rollout.multi_turn.enable=true", "rollout.env=engine.rollout.builtin_env
                                                     "setting of tool calls"),
     ([*ENV, "reward.function=engine.rollout.builtin_tools:calculator"],
      "is not allowed: scores responses, and with rollout.env the environment gives the reward"),
+    ([*ENV, "reward.model.path=/x"], "reward.model.path='/x' is not allowed: reads the data's prompt"),
     (["rollout.multi_turn.env_error_reward=-1"], "rollout.multi_turn.env_error_reward=-1.0 is not allowed: is a "
                                                  "setting of multi-turn rollouts"),
     (["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=engine.rollout.builtin_tools:calculator",

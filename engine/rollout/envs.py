@@ -135,6 +135,7 @@ class EnvLimits:
     step_timeout_s: float  # init's and each step's wall clock, from the moment the request is sent
     memory_mb: int  # the child's address space
     isolation: str = "bwrap"  # "none": the child runs as this user, unconfined (reward.sandbox.isolation)
+    rollout_timeout_s: float | None = None  # all the episodes of one rollout call on a rank, from its start
 
     def sandbox(self) -> SandboxLimits:
         return SandboxLimits(timeout_s=self.step_timeout_s, memory_mb=self.memory_mb,
@@ -156,8 +157,9 @@ class StepOutcome:
 class EnvSession:
     """One episode's environment: a sandbox child of its own, asked one thing at a time."""
 
-    def __init__(self, ref: str, limits: EnvLimits, readable: Sequence[str] = ()) -> None:
-        self.ref, self.limits, self.name = ref, limits, ref.rpartition(":")[2]
+    def __init__(self, ref: str, limits: EnvLimits, readable: Sequence[str] = (), until: float | None = None) -> None:
+        """`until`: the rollout's deadline (time.monotonic()); no answer is waited for past it."""
+        self.ref, self.limits, self.name, self.until = ref, limits, ref.rpartition(":")[2], until
         command = confined([sys.executable, "-I", "-c", _ENV_CHILD, ref, str(limits.memory_mb * 2**20),
                             str(FILE_CAP), str(RESULT_CAP)], limits.sandbox(), readable)  # no bwrap: RewardError
         self._stack = contextlib.ExitStack()
@@ -217,11 +219,17 @@ class EnvSession:
         return outcome
 
     def _answer(self, what: str) -> dict[str, Any] | None:
-        left = self._allowed - (time.monotonic() - self._sent)
+        now = time.monotonic()
+        left = self._allowed - (now - self._sent)
+        rollout_left = self.until - now if self.until is not None else left
         try:
-            at, line = self._lines.get(timeout=max(left, 0.0))
+            at, line = self._lines.get(timeout=max(min(left, rollout_left), 0.0))
         except queue.Empty:
-            self._fail(f"{what} ran over its {self._allowed:g} s (rollout.multi_turn.env_step_timeout_s)")
+            if rollout_left < left:
+                self._fail(f"{what}: the rollout's episodes ran over their {self.limits.rollout_timeout_s:g} s "
+                           "(rollout.multi_turn.env_rollout_timeout_s)")
+            else:
+                self._fail(f"{what} ran over its {self._allowed:g} s (rollout.multi_turn.env_step_timeout_s)")
             return None
         self._sent = max(self._sent, at)  # a next answer (init's, after ready) is timed from this one
         if line is None:
@@ -242,8 +250,11 @@ class EnvSession:
         return StepOutcome(error=why)
 
     def _stderr_tail(self) -> str:
-        if self._proc is not None and self._proc.poll() is None:
-            return "still running"
+        if self._proc is not None:
+            try:  # its output closed: it is ending (or closed its output and goes on: it is killed next)
+                self._proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                return "it closed its output and kept running"
         self._stderr.seek(0)
         tail = self._stderr.read().decode(errors="replace").strip().splitlines()[-2:]
         code = self._proc.returncode if self._proc is not None else None
@@ -430,8 +441,10 @@ class EnvEpisodes:
 
         rows = len(prompts)
         self.steps = [0] * rows
+        timeout = self.limits.rollout_timeout_s
+        until = time.monotonic() + timeout if timeout is not None else None
         for _ in range(rows):  # appended one by one: close() ends those started if one cannot start
-            self.sessions.append(EnvSession(self.ref, self.limits, self.readable))
+            self.sessions.append(EnvSession(self.ref, self.limits, self.readable, until))
         for r, session in enumerate(self.sessions):
             session.send("init", _row(prompts, r, self.seeds[r]))
         pad = int(self.tokenizer.pad_token_id)

@@ -463,7 +463,8 @@ def generate_batch(rollout: Any, prompts: Batch, cfg: RolloutConfig, *, seed: in
     stage = ("rollout" if do_sample else "rollout_greedy") + (f"/draw{draw}" if draw else "")
     if cfg.env is not None:  # assistant -> environment -> assistant (engine/rollout/envs.py)
         mt = cfg.multi_turn
-        episodes = EnvEpisodes(tokenizer, cfg.env, EnvLimits(mt.env_step_timeout_s, mt.env_memory_mb, isolation),
+        episodes = EnvEpisodes(tokenizer, cfg.env, EnvLimits(mt.env_step_timeout_s, mt.env_memory_mb, isolation,
+                                                          mt.env_rollout_timeout_s),
                                width=prompt_width, error_reward=mt.env_error_reward, readable=env_files(cfg.env),
                                seeds=[derive_seed(seed, iteration, f"{stage}/episode{r}", rank) for r in range(len(prompts))])
         return run_episodes(rollout, tokenizer, episodes, prompts, cfg, seed=seed, iteration=iteration, rank=rank,

@@ -53,6 +53,14 @@ class HangsOnSecondStep(_BadRow):
         return Counter.step(self, assistant_text)
 
 
+class Slow(Counter):
+    """Every step takes 0.6 s."""
+
+    def step(self, assistant_text: str) -> tuple:
+        time.sleep(0.6)
+        return super().step(assistant_text)
+
+
 class HangsInInit(Counter):
     def init(self, row: dict) -> list[dict]:
         time.sleep(3600)

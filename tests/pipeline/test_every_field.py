@@ -129,6 +129,7 @@ EFFECTS: dict[str, Run | Refused | AtStart | Shown] = {
     "rollout.multi_turn.env_step_timeout_s": Refused("1"),
     "rollout.multi_turn.env_memory_mb": Refused("64"),
     "rollout.multi_turn.env_error_reward": Refused("-1"),
+    "rollout.multi_turn.env_rollout_timeout_s": Refused("60"),
     "rollout.env": Refused("engine.rollout.builtin_envs:GuessNumber"),
     "rollout.log_prob_max_tokens_per_micro_batch": Run("8"),
     "rollout.vllm.max_model_len": Refused("64"),

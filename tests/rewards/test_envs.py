@@ -160,6 +160,18 @@ def test_an_environment_that_goes_wrong_ends_its_own_episode_only(tok, name: str
         ["step 1 of 1 [ok]", "step 2 of 1 [ok]"]
 
 
+def test_the_rollouts_deadline_ends_the_episodes_still_waiting(tok) -> None:  # noqa: ANN001
+    """Steps of 0.6 s each, answered in parallel; a rollout deadline of 1 s: every episode's first step is
+    answered, its second is not waited for."""
+    limits = EnvLimits(step_timeout_s=5.0, memory_mb=512, rollout_timeout_s=1.0)
+    start = time.monotonic()
+    out = _run(tok, f"{ENVS}:Slow", ["a", "b", "c"], play=lambda context: "ok", max_turns=4, limits=limits)
+    assert time.monotonic() - start < 8
+    assert out["env_steps"].tolist() == [1, 1, 1] and out["env_errors"].tolist() == [1, 1, 1]
+    assert set(out["env_error"]) == {"Slow.step: the rollout's episodes ran over their 1 s "
+                                     "(rollout.multi_turn.env_rollout_timeout_s)"}
+
+
 def test_a_hung_init_ends_the_episode_and_the_model_answers_the_rows_prompt(tok) -> None:  # noqa: ANN001
     limits = EnvLimits(step_timeout_s=1.0, memory_mb=512)
     start = time.monotonic()
