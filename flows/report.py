@@ -3,7 +3,6 @@ markdown summary with charts (flows/charts.py) on the run's flow run."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 from uuid import UUID
 
@@ -16,14 +15,10 @@ from prefect.artifacts import (
 )
 
 from flows import charts
+from infra.layout import artifact_key
 
 KEY_METRICS = ("critic/score/mean", "val/score/mean", "response_length/mean", "actor/pg_loss", "actor/entropy",
                "actor/ppo_kl", "actor/grad_norm", "timing_s/step", "perf/orchestration_s")
-
-
-def artifact_key(run_id: str, what: str) -> str:
-    """Artifact keys may hold lowercase letters, digits and dashes only."""
-    return re.sub(r"[^a-z0-9-]+", "-", f"{run_id}-{what}".lower()).strip("-")
 
 
 def iteration_table(run_id: str, iteration: int, metrics: dict[str, float]) -> None:

@@ -25,6 +25,11 @@ _METRICS_FILE = re.compile(r"^iter_(\d{6,})\.json$")
 _BUFFER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 
+def artifact_key(run_id: str, what: str) -> str:
+    """A run's Prefect artifact key: artifact keys may hold lowercase letters, digits and dashes only."""
+    return re.sub(r"[^a-z0-9-]+", "-", f"{run_id}-{what}".lower()).strip("-")
+
+
 def check_run_id(run_id: str) -> str:
     if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):
         raise StoreError(f"run id {run_id!r} must be 1-128 letters, digits, '.', '_' or '-' "

@@ -33,6 +33,7 @@ from engine.rewards import score_batch
 from engine.rewards.shaping import overlong_penalty
 from infra.buffers import BufferRef, load_ref, read_buffer, write_buffer
 from infra.errors import ObjectNotFound
+from infra.layout import artifact_key
 from tasks.context import RunPlan, StageContext, context
 from tasks.faults import maybe_fail, maybe_kill_rank, maybe_kill_uploader
 from tasks.graph import StageSpec, load_user_stage
@@ -195,6 +196,7 @@ def generate_rollouts(ctx: StageContext, iteration: int, stage: StageSpec, input
         metrics.update(tool_metrics(batch, "tools"))
     if "env_errors" in batch:
         metrics.update(env_metrics(batch, "env"))
+        episodes_table(ctx.plan.run_id, iteration, batch)
     metrics.update({"timing_s/gen": gen_s, "perf/gen_tokens": tokens, "perf/gen_tokens_per_s": tokens / gen_s,
                     "async/rollout_version": float(version), "async/staleness": float(iteration - 1 - version)})
     get_run_logger().info("iteration %d: generated %d responses in %.2f s with the weights of version %d",
@@ -207,6 +209,29 @@ def tool_metrics(batch: Batch, prefix: str) -> dict[str, float]:
     calls, errors = batch["tool_calls"].float(), batch["tool_errors"].float()
     return {f"{prefix}/call_rate": float((calls > 0).float().mean()), f"{prefix}/calls_per_response": float(calls.mean()),
             f"{prefix}/error_rate": float(errors.sum() / calls.sum()) if float(calls.sum()) else 0.0}
+
+
+EPISODES_SHOWN = 64  # the episodes table's rows at most (the rollout buffer holds them all)
+
+
+def episodes_table(run_id: str, iteration: int, batch: Batch) -> None:
+    """rollout.env: the iteration's episodes as a table artifact on its flow run (the Prefect UI's
+    iteration page): each episode's turns, steps, reward and error, and the training row it became
+    (its tokens trained on and its observation tokens, holes in the mask)."""
+    from prefect.artifacts import create_table_artifact
+
+    p = batch["prompt_ids"].shape[1]
+    real, trained = batch["attention_mask"][:, p:].bool(), batch["response_mask"].bool()
+    rows = []
+    for i in range(min(len(batch), EPISODES_SHOWN)):
+        turns = " | ".join(f"{t['role']}: {t['content']}" for t in json.loads(batch["turns"][i]))
+        rows.append({"episode": i, "row": int(batch["row_index"][i]), "steps": int(batch["env_steps"][i]),
+                     "reward": round(float(batch["env_reward"][i]), 6), "error": batch["env_error"][i],
+                     "turns": turns if len(turns) <= 400 else turns[:397] + "...",
+                     "trained_tokens": int(trained[i].sum()), "observation_tokens": int((real[i] & ~trained[i]).sum())})
+    create_table_artifact(rows, key=artifact_key(run_id, "episodes"),
+                          description=f"{run_id}: the episodes of iteration {iteration} (the first {len(rows)} of "
+                                      f"{len(batch)}; all in its rollout buffer)")
 
 
 def env_metrics(batch: Batch, prefix: str) -> dict[str, float]:

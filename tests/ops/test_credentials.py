@@ -134,7 +134,7 @@ def test_secret_not_in_storage(trained: Trained, planted_s3: PlantedS3) -> None:
     assert leaks(planted_s3.secret, objects) == []
 
 
-def _paged(read: Callable[[int], list[Any]]) -> list[Any]:
+def paged(read: Callable[[int], list[Any]]) -> list[Any]:
     found: list[Any] = []
     while page := read(len(found)):
         found += page
@@ -145,10 +145,10 @@ def prefect_dump(client: Any) -> dict[str, bytes]:
     """Everything the stack's Prefect API holds, as JSON: flow runs (parameters, states), task runs,
     artifacts and logs."""
     groups = {
-        "flow_runs": _paged(lambda n: client.read_flow_runs(limit=200, offset=n)),
-        "task_runs": _paged(lambda n: client.read_task_runs(limit=200, offset=n)),
-        "artifacts": _paged(lambda n: client.read_artifacts(limit=200, offset=n)),
-        "logs": _paged(lambda n: client.read_logs(limit=200, offset=n)),
+        "flow_runs": paged(lambda n: client.read_flow_runs(limit=200, offset=n)),
+        "task_runs": paged(lambda n: client.read_task_runs(limit=200, offset=n)),
+        "artifacts": paged(lambda n: client.read_artifacts(limit=200, offset=n)),
+        "logs": paged(lambda n: client.read_logs(limit=200, offset=n)),
     }
     return {name: ("[" + ",".join(item.model_dump_json() for item in items) + "]").encode()
             for name, items in groups.items()}

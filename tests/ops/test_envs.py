@@ -15,12 +15,14 @@ from __future__ import annotations
 import json
 import signal
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
 import torch
 
 from tests.ops.test_async import assert_equal_weights, metrics_done
+from tests.ops.test_credentials import paged
 from tests.ops.test_dynamic_sampling import buffer
 from tests.ops.test_faults import buffers
 from tests.services import Cli, WarmCli
@@ -61,8 +63,10 @@ def reference(warm_cli: WarmCli, tiny_model_dir: Path, tmp_path_factory: pytest.
             "logs": proc.stdout + proc.stderr}
 
 
-def test_episodes_are_in_the_buffers_and_their_rewards_are_the_environments(reference: dict,
-                                                                           tiny_model_dir: Path) -> None:
+def test_episodes_are_in_the_buffers_and_their_rewards_are_the_environments(reference: dict, tiny_model_dir: Path,
+                                                                           prefect: Any) -> None:
+    """`prefect`: a client of the stack's API (tests/ops/conftest.py), for the episodes' artifact and logs."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, LogFilter, LogFilterLevel
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -95,6 +99,19 @@ def test_episodes_are_in_the_buffers_and_their_rewards_are_the_environments(refe
         assert line["env/errors"] == float(rollout["env_errors"].sum())
         assert line["env/reward/mean"] == pytest.approx(float(rollout["env_reward"].mean()))
     assert hung > 0, "no episode hung: the deadline was not exercised"
+    # the last iteration's episodes, as the UI's iteration page shows them
+    tables = prefect.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["env-ref-episodes"])))
+    assert len(tables) == ITERATIONS  # one an iteration, each on its own flow run
+    table = max(tables, key=lambda t: t.created)
+    rows, frame = json.loads(table.data), pd.read_parquet(root / "env-ref" / "buffers" / f"iter_{ITERATIONS:06d}" / "rollout.parquet")
+    assert [r["reward"] for r in rows] == frame["env_reward"].tolist()
+    assert [r["error"] for r in rows] == frame["env_error"].tolist()
+    assert [r["steps"] for r in rows] == frame["env_steps"].tolist()
+    assert all(r["turns"].startswith("assistant: ") for r in rows)
+    # and the task logs name the hung episodes
+    warnings = LogFilter(level=LogFilterLevel(ge_=30))
+    logs = " ".join(log.message for log in paged(lambda n: prefect.read_logs(log_filter=warnings, limit=200, offset=n)))
+    assert "ended as an error: GuessOrHang.step ran over its 1 s" in logs
 
 
 def test_failed_then_killed_env_run_resumes_like_the_uninterrupted_one(
