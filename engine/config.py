@@ -537,6 +537,7 @@ def checked_reference(spec: str) -> str:
 def _module_source(module: str) -> Path | None:
     """The source file of `module`, found without importing it or its packages; None when it is not
     Python source; ValueError when there is no such module."""
+    import importlib.util
     from importlib.machinery import PathFinder
 
     parts = module.split(".")
@@ -546,8 +547,10 @@ def _module_source(module: str) -> Path | None:
         return None
     locations: list[str] | None = None
     spec = None
-    for part in parts:
-        spec = PathFinder.find_spec(part, locations)
+    for i, part in enumerate(parts):
+        # a top-level package through every finder (an editable install's is not on sys.path), found
+        # without importing it; its submodules in its own folders
+        spec = importlib.util.find_spec(part) if i == 0 else PathFinder.find_spec(part, locations)
         if spec is None:
             if module in sys.modules:  # imported already, under a name that is no file (os.path)
                 return None

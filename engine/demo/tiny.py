@@ -70,16 +70,16 @@ REPORT_FILE = "rlflow_tiny.json"
 # the val split (seeds 0/1/2 — arith: 19.9/11.7/18.8 %, sort: 47.7/25.4/12.5 %, countdown:
 # 49.6/44.9/23.4 %). Sort is learned within ~100 steps and countdown jumps from 0 to ~40 % between
 # 150 and 250 steps, so their warm starts stop early.
-DEFAULT_STEPS = {"arith": 800, "sort": 45, "countdown": 350, "calc": 600}
+DEFAULT_STEPS = {"arith": 800, "sort": 45, "countdown": 350, "calc": 600, "guess": 50}
 FALLBACK_STEPS = 800  # a task added later without its own tuning
 BATCH_SIZE = 64
 LR = 3e-3
 WARMUP_STEPS = 20
-# Threads of a build. The weights' bits depend on the thread count: 1 and 2 threads give the same bits
-# (measured for every task's default build, the tiny reward model and the AVX2 kernels), 3 and 4 other ones.
-# The cache and every resume rely on one task and seed giving the same bits on every machine, so a build
-# uses up to 2 cores: 1.8 times as fast as 1 thread on two cores (docs/testing.md).
-BUILD_THREADS = min(2, len(os.sched_getaffinity(0)))
+# Threads of a build: one. The weights' bits depend on the thread count, and how depends on the CPU: on
+# one 2-core machine 1 and 2 threads gave the same bits, on another (a Xeon with AMX, 2026-12-05) they did
+# not, with the AVX2 kernels pinned too (bench/build_threads.py, BENCHMARKS.md section 9). The cache and
+# every resume rely on one task and seed giving the same bits on every machine, so a build takes one core.
+BUILD_THREADS = 1
 EVAL_ROWS = 256
 EVAL_SEED = 0
 MAX_NEW_TOKENS = 12  # "#### " + up to 6 characters + eos, with room to spare
@@ -392,7 +392,7 @@ def guess_success_rate(model: Any, tokenizer: PreTrainedTokenizerBase, rows: lis
                                  max_new_tokens=MAX_NEW_TOKENS, do_sample=False, use_cache=True,
                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
             turn = out[0, len(ids):].tolist()
-            observations, reward, done, _ = env.step(tokenizer.decode(turn, skip_special_tokens=True))
+            observations, reward, done, _ = env.step(str(tokenizer.decode(turn, skip_special_tokens=True)))
             if done:
                 found += reward > 0
                 break

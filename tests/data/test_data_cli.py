@@ -33,7 +33,7 @@ def test_data_make_writes_readable_parquet(
 def test_data_make_unknown_task_is_one_error_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["data", "make", "chess", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert err == "rlflow: error: unknown synthetic task 'chess'; allowed: arith, sort, countdown, calc\n"
+    assert err == "rlflow: error: unknown synthetic task 'chess'; allowed: arith, sort, countdown, calc, guess\n"
     assert main(["data", "make", "arith", str(tmp_path), "--n", "0"]) == 2
     assert "row counts must be positive" in capsys.readouterr().err
 

@@ -125,12 +125,13 @@ def test_failed_then_killed_env_run_resumes_like_the_uninterrupted_one(
     assert metrics_done(tmp_path, "env-fail") == [1]
     before = buffers(tmp_path, "env-fail")
     assert any("iter_000002/rollout" in k for k in before)
-    killed = cli("train", "--resume", "env-fail", f"storage.root={tmp_path}", *KILL_AFTER_UPDATE_2)
+    # the environment is code: given again on every resume (run.json never chooses it)
+    killed = cli("train", "--resume", "env-fail", f"storage.root={tmp_path}", *ENV[:2], *KILL_AFTER_UPDATE_2)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert cli("engine", "stop", "env-fail").returncode == 0
     after_kill = buffers(tmp_path, "env-fail")
     assert all(after_kill[k] == v for k, v in before.items())  # the failed iteration's episodes were reused
-    again = warm_cli("train", "--resume", "env-fail", f"storage.root={tmp_path}")
+    again = warm_cli("train", "--resume", "env-fail", f"storage.root={tmp_path}", *ENV[:2])
     assert again.returncode == 0, again.stderr[-4000:]
     after = buffers(tmp_path, "env-fail")
     assert all(after[k] == v for k, v in after_kill.items())
