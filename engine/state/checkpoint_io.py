@@ -18,6 +18,7 @@ written, verified while it is read, and nothing unpickled from storage.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import io
 import os
@@ -217,7 +218,18 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in self._NAMES:
             return super().find_class(module, name)
+        if name == "getattr" and module in ("builtins", "__builtin__"):  # an Enum member, as Python 3.11.2 pickles it
+            return _enum_member
         raise CheckpointCorruptError(f"DCP metadata refers to {module}.{name}, which is not a metadata type")
+
+
+def _enum_member(cls: Any, name: Any) -> Any:
+    """What `getattr` may do in DCP metadata: give a member of an admitted Enum class by its name
+    (`_MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT`, as Debian 12's Python 3.11.2 pickles it), nothing else."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise CheckpointCorruptError(f"DCP metadata calls getattr on {type(cls).__name__} {str(cls)[:60]!r} with "
+                                 f"{str(name)[:60]!r}: only a member of a metadata Enum is allowed")
 
 
 # ------------------------------------------------------------------------ hashing and verifying I/O

@@ -294,6 +294,27 @@ def test_metadata_cannot_reach_code_through_an_admitted_module(store: ObjectStor
     assert not (tmp_path / "pwned").exists()
 
 
+def test_an_enum_member_pickled_by_getattr_is_read_and_nothing_else_is() -> None:
+    """Python 3.11.2 (Debian 12's python3) pickles an Enum member as getattr(class, name): the metadata of
+    every checkpoint it writes holds _MEM_FORMAT_ENCODING that way. Refused, every restore of such a run fell
+    back past all its checkpoints and replayed from iteration 1 (the fresh-clone suite of 2026-12-05 under
+    /usr/bin/python3). getattr gives a member of an admitted Enum and nothing else."""
+    import io
+
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    def pickled(module: bytes, name: bytes, attribute: bytes) -> bytes:  # protocol 2, as 3.11.2 writes it
+        return (b"\x80\x02c__builtin__\ngetattr\nc" + module + b"\n" + name + b"\nX" + len(attribute).to_bytes(4, "little")
+                + attribute + b"\x86R.")
+
+    member = pickled(b"torch.distributed.checkpoint.metadata", b"_MEM_FORMAT_ENCODING", b"TORCH_CONTIGUOUS_FORMAT")
+    assert checkpoint_io._MetadataUnpickler(io.BytesIO(member)).load() is _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    for module, name, attribute in [(b"pathlib", b"PosixPath", b"home"), (b"torch", b"Size", b"__class__"),
+                                    (b"torch.distributed.checkpoint.metadata", b"_MEM_FORMAT_ENCODING", b"_missing_")]:
+        with pytest.raises(checkpoint_io.CheckpointCorruptError, match="only a member of a metadata Enum"):
+            checkpoint_io._MetadataUnpickler(io.BytesIO(pickled(module, name, attribute))).load()
+
+
 def test_a_base_checkpoint_is_read_with_the_safe_reader(tiny_model_dir: Path, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A scheduled lineage or a fresh run from a base checkpoint makes the base into a model folder
