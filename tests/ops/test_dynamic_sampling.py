@@ -41,15 +41,15 @@ def buffer(root: Path, run_id: str, iteration: int, name: str) -> Batch:
     return Batch.from_parquet(str(root / run_id / "buffers" / f"iter_{iteration:06d}" / f"{name}.parquet"))
 
 
-def metrics(root: Path, run_id: str) -> list[dict]:
+def metrics(root: Path, run_id: str, iterations: int = ITERATIONS) -> list[dict]:
     return [json.loads((root / run_id / "metrics" / f"iter_{i:06d}.json").read_text())
-            for i in range(1, ITERATIONS + 1)]
+            for i in range(1, iterations + 1)]
 
 
-def weights(root: Path, run_id: str) -> dict:
+def weights(root: Path, run_id: str, iterations: int = ITERATIONS) -> dict:
     from safetensors.torch import load_file
 
-    return load_file(root / run_id / "export" / f"step_{ITERATIONS:06d}" / "model.safetensors")
+    return load_file(root / run_id / "export" / f"step_{iterations:06d}" / "model.safetensors")
 
 
 @pytest.fixture(scope="module")

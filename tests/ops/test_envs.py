@@ -24,6 +24,8 @@ import torch
 from tests.ops.test_async import assert_equal_weights, metrics_done
 from tests.ops.test_credentials import paged
 from tests.ops.test_dynamic_sampling import buffer
+from tests.ops.test_dynamic_sampling import metrics as shared_metrics
+from tests.ops.test_dynamic_sampling import weights as shared_weights
 from tests.ops.test_faults import buffers
 from tests.services import Cli, WarmCli
 
@@ -44,14 +46,11 @@ def args(model: Path, root: Path, run_id: str, *extra: str) -> list[str]:
 
 
 def metrics(root: Path, run_id: str) -> list[dict]:
-    return [json.loads((root / run_id / "metrics" / f"iter_{i:06d}.json").read_text())
-            for i in range(1, ITERATIONS + 1)]
+    return shared_metrics(root, run_id, ITERATIONS)
 
 
 def weights(root: Path, run_id: str) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(root / run_id / "export" / f"step_{ITERATIONS:06d}" / "model.safetensors")
+    return shared_weights(root, run_id, ITERATIONS)
 
 
 @pytest.fixture(scope="module")
