@@ -16,9 +16,14 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
 from functools import cache
+from pathlib import Path
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, RLFlowError
 
 MODES = ("auto", "avx2", "native")
 
@@ -63,3 +68,27 @@ def pinned_here(env: dict[str, str]) -> bool:
     """Whether this process already runs with `env` (set before torch was imported)."""
     return all(os.environ.get(key) == value for key, value in env.items()) and \
         (bool(env) or "ATEN_CPU_CAPABILITY" not in os.environ)
+
+
+def run_module_pinned(module: str, argv: list[str], env: dict[str, str], what: str,
+                      on_line: Callable[[str], object] | None = None) -> None:
+    """`python -m module *argv` in a new process whose kernels `env` pins (kernel_env; empty: the
+    native ones) in place of this one's, with this checkout importable; its stdout lines go to
+    `on_line`. Raises RLFlowError("`what` failed: <its last error line>") when it fails."""
+    child_env = {key: value for key, value in os.environ.items() if key not in AVX2_ENV}
+    child_env.update(env)
+    root = str(Path(__file__).resolve().parents[1])  # the checkout: engine/cpu_kernels.py
+    child_env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+    with tempfile.TemporaryFile("w+") as errors:
+        child = subprocess.Popen([sys.executable, "-m", module, *argv], env=child_env,
+                                 stdout=subprocess.PIPE, stderr=errors, text=True)
+        assert child.stdout is not None
+        for line in child.stdout:
+            if on_line is not None:
+                on_line(line)
+        returncode = child.wait()
+        errors.seek(0)
+        stderr = errors.read()
+    if returncode != 0:
+        last = (stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RLFlowError(f"{what} failed: {last}")

@@ -34,8 +34,10 @@ stage whose result exists comes back `Cached` (tasks/stages.py cache keys), and 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,19 +216,37 @@ def base_model_dir(base: BaseCheckpoint, store: ObjectStore, trust_remote_code: 
 
 
 def _export_policy(base: BaseCheckpoint, store: ObjectStore, tmp: Path, trust_remote_code: bool) -> None:
-    """Verify and fetch the step, load its policy shards into the parent's model, save_pretrained."""
-    from engine.cpu_kernels import kernel_env
-    from engine.demo.tiny import resolve_model_path, resolve_tokenizer_path
-    from engine.models.loading import load_model, load_tokenizer
-    from engine.state.checkpoint_io import load_state
+    """Verify and fetch the step, then merge it into a model folder in a process of its own (merge_policy)
+    that computes like the parent's ranks: their CPU kernels and torch threads. The parent's merged
+    export of the step was computed there, and the new run starts from exactly those weights."""
+    from engine.cpu_kernels import kernel_env, run_module_pinned
+    from flows.plan import rank_threads
 
-    parent = build_config(RunStore(store, base.run_id).read_run_info()["config"])
+    config = RunStore(store, base.run_id).read_run_info()["config"]
+    parent = build_config(config)
     if parent.model.trust_remote_code != trust_remote_code:
         raise ConfigError(f"base checkpoint {base.url}: its run's run.json has model.trust_remote_code="
                           f"{parent.model.trust_remote_code!r} where your config gives {trust_remote_code!r}; what a "
                           "run executes is never taken from storage: set model.trust_remote_code yourself")
     CheckpointStore(store, base.run_id).fetch(base.step, str(tmp / "ckpt"))  # verifies every file
-    kernels = kernel_env(parent.placement.cpu_kernels)  # the parent run's own build of a tiny model
+    (tmp / "parent.json").write_text(json.dumps(config))
+    run_module_pinned("flows.deploy", [str(tmp), str(rank_threads(parent)), str(trust_remote_code)],
+                      kernel_env(parent.placement.cpu_kernels), f"making the model of base checkpoint {base.url}")
+
+
+def merge_policy(tmp: Path, threads: int, trust_remote_code: bool) -> None:
+    """In the process `_export_policy` starts: tmp/ckpt's policy shards loaded into the parent's model
+    (tmp/parent.json), LoRA adapters merged, saved with the tokenizer to tmp/hf."""
+    import torch
+
+    from engine.cpu_kernels import kernel_env
+    from engine.demo.tiny import resolve_model_path, resolve_tokenizer_path
+    from engine.models.loading import load_model, load_tokenizer
+    from engine.state.checkpoint_io import load_state
+
+    torch.set_num_threads(threads)
+    parent = build_config(json.loads((tmp / "parent.json").read_text()))
+    kernels = kernel_env(parent.placement.cpu_kernels)  # this process's: the parent run's build of a tiny model
     model = load_model(resolve_model_path(parent.model, parent.data.task, kernels), dtype=parent.model.dtype,
                        trust_remote_code=trust_remote_code)
     wrapped = None
@@ -376,3 +396,7 @@ def serve_deployments(names: list[str] | None = None, limit: int | None = None) 
         raise ConfigError("no rlflow deployments to serve: create one with `rlflow deploy`")
     print(f"rlflow: serving {', '.join(f'{FLOW_NAME}/{d.name}' for d in deployments)}", flush=True)
     serve(*deployments, pause_on_shutdown=False, limit=limit)
+
+
+if __name__ == "__main__":  # python -m flows.deploy TMP THREADS TRUST_REMOTE_CODE: merge_policy's process
+    merge_policy(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "True")

@@ -369,6 +369,20 @@ def check_stage_timeouts(cfg: RLConfig) -> None:
                               f"{', '.join(known)}")
 
 
+def rank_threads(cfg: RLConfig) -> int:
+    """The torch threads of every rank: placement.cpus_per_rank, else this machine's CPUs shared out."""
+    rollout_ranks, rm_ranks = pool_ranks(cfg)
+    ranks = cfg.trainer.world_size + rollout_ranks + rm_ranks
+    return cfg.placement.cpus_per_rank or max(1, (os.cpu_count() or 1) // ranks)
+
+
+def pool_ranks(cfg: RLConfig) -> tuple[int, int]:
+    """The ranks of the rollout pool and of the reward-model pool (0: none)."""
+    rollout_ranks = cfg.placement.rollout_ranks if cfg.placement.mode == "split" else 0
+    rm_ranks = cfg.reward.model.ranks if cfg.reward.model.enabled and cfg.reward.model.placement == "pool" else 0
+    return rollout_ranks, rm_ranks
+
+
 def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str) -> EngineSpec:
     """The engine of this run: policy (+ ref when a KL term is on) and, for PPO, a critic."""
     from engine.engine import EngineSpec
@@ -381,10 +395,8 @@ def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str
         raise ConfigError(f"trainer.device={cfg.trainer.device!r} is not allowed yet: it means {device}, and "
                           "the GPU path is not built and tested; use cpu")
     place = cfg.placement
-    rollout_ranks = place.rollout_ranks if place.mode == "split" else 0
-    rm_ranks = cfg.reward.model.ranks if cfg.reward.model.enabled and cfg.reward.model.placement == "pool" else 0
-    ranks = cfg.trainer.world_size + rollout_ranks + rm_ranks
-    threads = place.cpus_per_rank or max(1, (os.cpu_count() or 1) // ranks)
+    threads = rank_threads(cfg)
+    rollout_ranks, rm_ranks = pool_ranks(cfg)
     # The ranks get the correction's mode resolved (auto: truncate for an asynchronous run, else none).
     actor = cfg.actor.model_copy(update={"rollout_correction": cfg.actor.rollout_correction.model_copy(
         update={"mode": cfg.rollout_correction_mode})})

@@ -29,9 +29,7 @@ import os
 import re
 import shutil
 import string
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -51,12 +49,12 @@ from transformers import (
 )
 
 from engine.config import ModelConfig
-from engine.cpu_kernels import AVX2_ENV, kernel_tag, pinned_here
+from engine.cpu_kernels import kernel_tag, pinned_here, run_module_pinned
 from engine.demo import progress
 from engine.demo.folders import empty_target, into_place
 from engine.demo.progress import report
 from engine.demo.synthetic import GUESS_TURNS, TASKS, make_rows, solution_text
-from engine.errors import ConfigError, RLFlowError
+from engine.errors import ConfigError
 from engine.models import loading
 from engine.models.loading import cache_dir, load_model, load_tokenizer, source_digest
 from engine.models.tokens import decode_responses, encode_prompts, prompt_text
@@ -509,24 +507,11 @@ def cached_tiny(task: str, seed: int, kernels: dict[str, str] | None = None) -> 
 
 
 def build_in_subprocess(path: Path, task: str, seed: int, kernels: dict[str, str], steps: int | None = None) -> None:
-    """`build_tiny` in a new Python process that starts with `kernels` in place of this one's."""
-    env = {key: value for key, value in os.environ.items() if key not in AVX2_ENV}
-    env.update(kernels)
-    root = str(Path(__file__).resolve().parents[2])  # the checkout: engine/demo/tiny.py
-    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
+    """`build_tiny` in a new Python process that starts with `kernels` in place of this one's; its
+    progress reports go to this process's reporter."""
     argv = [str(path), task, str(seed), *([] if steps is None else [str(steps)])]
-    with tempfile.TemporaryFile("w+") as errors:
-        child = subprocess.Popen([sys.executable, "-m", "engine.demo.tiny", *argv], env=env,
-                                 stdout=subprocess.PIPE, stderr=errors, text=True)
-        assert child.stdout is not None
-        for line in child.stdout:  # its progress reports, for this process's reporter
-            progress.forward(line)
-        returncode = child.wait()
-        errors.seek(0)
-        stderr = errors.read()
-    if returncode != 0:
-        last = (stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise RLFlowError(f"building the tiny {task} model (seed {seed}) failed: {last}")
+    run_module_pinned("engine.demo.tiny", argv, kernels, f"building the tiny {task} model (seed {seed})",
+                      on_line=progress.forward)
 
 
 
