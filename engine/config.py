@@ -144,16 +144,26 @@ class RolloutConfig(Section):
                             "with init(row) -> prompt messages and step(assistant_text) -> (observation messages, "
                             "reward, done, info); each episode's runs in a sandbox process of its own and gives "
                             "the reward (engine/rollout/envs.py); needs multi_turn.enable=true")
+    agent: str | None = Field(None, description="a black-box agent, 'module:function' or 'path/to/file.py:function', "
+                              "function(client, row) -> reward with client an openai.OpenAI whose calls the policy "
+                              "answers; each episode's runs in a sandbox process of its own, its calls become the "
+                              "row (engine/rollout/agents.py); needs multi_turn.enable=true; the env_* settings of "
+                              "rollout.multi_turn apply to it")
     log_prob_max_tokens_per_micro_batch: int | None = Field(
         None, gt=0, description="token budget of the old log-prob pass's micro-batches (default: the actor's); "
         "that pass runs actor.micro_batch_size rows at most")
 
     vllm: VllmConfig = Field(default_factory=VllmConfig, description="rollout.name=vllm: the engine's size")
 
-    @field_validator("env")
+    @field_validator("env", "agent")
     @classmethod
     def _absolute_env(cls, value: str | None) -> str | None:
         return checked_reference(value) if value is not None else None
+
+    @property
+    def episodes(self) -> str | None:
+        """The other side of an episode: rollout.env or rollout.agent (one at most), or None."""
+        return self.env if self.env is not None else self.agent
 
 
 class LoraConfig(Section):

@@ -28,7 +28,7 @@ SEQUENCES = ("input_ids", "attention_mask", "responses", "response_mask")  # wha
 def stages_for(cfg: RLConfig) -> list[StageSpec]:
     """The stage list of one iteration for this config, wired and checked."""
     spec = get_adv_estimator(cfg.algorithm.adv_estimator)
-    env = cfg.rollout.env is not None
+    env = cfg.rollout.episodes is not None  # an agent's episodes fill the same columns
     turns = ("turns", *(ENV_COLUMNS if env else ("tool_calls", "tool_errors"))) if cfg.rollout.multi_turn.enable else ()
     stages = [StageSpec(name="generate_rollouts", task="generate_rollouts", reads=(), engine=True, buffer="rollout",
                         writes=(*PROMPT_COLUMNS, "prompt_ids", "responses", "response_mask", "response_text",

@@ -353,35 +353,40 @@ class RLConfig(BaseModel):
                          f"({algo.lagrange_max})")
 
     def _check_multi_turn(self) -> None:
-        mt, env = self.rollout.multi_turn, self.rollout.env
+        mt, rollout = self.rollout.multi_turn, self.rollout
+        if rollout.env is not None and rollout.agent is not None:
+            raise _cross("rollout.agent", rollout.agent, "drives episodes, and so does rollout.env: give one")
+        side, noun = ("rollout.env", "environment") if rollout.env is not None else ("rollout.agent", "agent")
+        ref = rollout.episodes
         if not mt.enable:
-            if env is not None:
-                raise _cross("rollout.env", env, "runs multi-turn episodes: it needs rollout.multi_turn.enable=true")
+            if ref is not None:
+                raise _cross(side, ref, "runs multi-turn episodes: it needs rollout.multi_turn.enable=true")
             for key in ("tools", "format", "max_turns", "tool_timeout_s", "tool_memory_mb", "max_tool_response_chars",
                         *ENV_KEYS):
                 if _differs_from_default(mt, key):
                     raise _cross(f"rollout.multi_turn.{key}", getattr(mt, key), "is a setting of multi-turn "
                                  "rollouts: it needs rollout.multi_turn.enable=true")
             return
-        if env is None:
+        if ref is None:
             if not mt.tools:
-                raise _cross("rollout.multi_turn.enable", True, "needs at least one tool (rollout.multi_turn.tools) "
-                             "or an environment (rollout.env), each 'module:name' or 'path/to/file.py:name'")
+                raise _cross("rollout.multi_turn.enable", True, "needs at least one tool (rollout.multi_turn.tools), "
+                             "an environment (rollout.env) or an agent (rollout.agent), each 'module:name' or "
+                             "'path/to/file.py:name'")
             for key in ENV_KEYS:
                 if _differs_from_default(mt, key):
                     raise _cross(f"rollout.multi_turn.{key}", getattr(mt, key), "is a setting of an environment's "
-                                 "episodes: it needs rollout.env")
+                                 "or an agent's episodes: it needs rollout.env or rollout.agent")
             return
         for key in ("tools", "format", "tool_timeout_s", "tool_memory_mb", "max_tool_response_chars"):
             if _differs_from_default(mt, key):
-                raise _cross(f"rollout.multi_turn.{key}", getattr(mt, key), "is a setting of tool calls; with "
-                             "rollout.env the environment answers each turn (give it the tools)")
+                raise _cross(f"rollout.multi_turn.{key}", getattr(mt, key), f"is a setting of tool calls; with "
+                             f"{side} the {noun} answers each turn (give it the tools)")
         if self.reward.function is not None:
-            raise _cross("reward.function", self.reward.function, "scores responses, and with rollout.env the "
-                         "environment gives the reward")
+            raise _cross("reward.function", self.reward.function, f"scores responses, and with {side} the "
+                         f"{noun} gives the reward")
         if self.reward.model.path is not None:
-            raise _cross("reward.model.path", self.reward.model.path, "reads the data's prompt, and with rollout.env "
-                         "an episode's prompt is the environment's: a reward model beside an environment is not built")
+            raise _cross("reward.model.path", self.reward.model.path, f"reads the data's prompt, and with {side} "
+                         f"an episode's prompt is the {noun}'s: a reward model beside it is not built")
 
     def _check_reward_model(self) -> None:
         model = self.reward.model

@@ -75,7 +75,7 @@ def new_run_id(cfg: RLConfig) -> str:
 # What a run executes, or where it writes its own files: always the launching user's config and command
 # line (or a deployment's parameters), never a stored record (whoever can write the bucket writes run.json).
 CODE_SETTINGS = ("reward.function", "reward.cost_function", "algorithm.extra_stages", "rollout.multi_turn.tools",
-                 "rollout.env", "model.trust_remote_code", "reward.model.trust_remote_code", "trainer.log_dir", "trainer.loggers")
+                 "rollout.env", "rollout.agent", "model.trust_remote_code", "reward.model.trust_remote_code", "trainer.log_dir", "trainer.loggers")
 
 
 def resume_config(store: ObjectStore, run_id: str, cfg: RLConfig | None, overrides: list[str]) -> RLConfig:
@@ -188,6 +188,14 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
         mt = cfg.rollout.multi_turn
         check_env(cfg.rollout.env, EnvLimits(mt.env_step_timeout_s, mt.env_memory_mb, cfg.reward.sandbox.isolation),
                   env_files(cfg.rollout.env))
+    if cfg.rollout.agent is not None:  # the function is imported in the sandbox, as its episodes will import it
+        from engine.rollout.agents import check_agent
+        from engine.rollout.envs import EnvLimits, check_chat_template, env_files
+
+        check_chat_template(tokenizer)
+        mt = cfg.rollout.multi_turn
+        check_agent(cfg.rollout.agent, EnvLimits(mt.env_step_timeout_s, mt.env_memory_mb, cfg.reward.sandbox.isolation),
+                    env_files(cfg.rollout.agent))
     synthetic = None
     if not cfg.data.train_files:  # the synthetic data.task: demo code, its files written here
         from engine.demo.data import ensure_synthetic_data
@@ -215,7 +223,7 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
     if resume:
         check_same_base(runs, run_id, identity)
     stages_for(cfg)  # refuses a stage that reads a column nobody writes
-    if cfg.rollout.env is None:  # with an environment, the environment gives the reward
+    if cfg.rollout.episodes is None:  # with an environment or an agent, that gives the reward
         check_reward(train, cfg.reward)
     if cfg.reward.cost_function is not None:  # safe RL's cost is scored as a reward is
         check_reward(train, cfg.reward.model_copy(update={"function": cfg.reward.cost_function,

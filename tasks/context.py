@@ -141,7 +141,7 @@ class StageContext:
                 "ground_truth": [r.ground_truth for r in rows],
                 "extra_info": [r.extra_info for r in rows],
                 # rollout.env: an episode's init(row) reads the row's prompt
-                **({"prompt_json": [json.dumps(r.prompt) for r in rows]} if self.plan.rollout.env else {}),
+                **({"prompt_json": [json.dumps(r.prompt) for r in rows]} if self.plan.rollout.episodes else {}),
             },
         )
 

@@ -389,6 +389,7 @@ def test_multi_turn_and_reward_model_settings_outside_their_mode_are_refused(ove
 
 
 ENV = ("rollout.multi_turn.enable=true", "rollout.env=engine.rollout.builtin_envs:GuessNumber")
+AGENT = ("rollout.multi_turn.enable=true", "rollout.agent=engine.rollout.builtin_agents:guess_number")
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -405,7 +406,18 @@ ENV = ("rollout.multi_turn.enable=true", "rollout.env=engine.rollout.builtin_env
                                                  "setting of multi-turn rollouts"),
     (["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=engine.rollout.builtin_tools:calculator",
       "rollout.multi_turn.env_step_timeout_s=3"], "rollout.multi_turn.env_step_timeout_s=3.0 is not allowed: is a "
-                                                  "setting of an environment's episodes: it needs rollout.env"),
+                                                  "setting of an environment's or an agent's episodes: it needs "
+                                                  "rollout.env or rollout.agent"),
+    ([AGENT[1]], "rollout.agent='engine.rollout.builtin_agents:guess_number' is not allowed: runs multi-turn "
+                 "episodes: it needs rollout.multi_turn.enable=true"),
+    ([*ENV, AGENT[1]], "rollout.agent='engine.rollout.builtin_agents:guess_number' is not allowed: drives episodes, "
+                       "and so does rollout.env: give one"),
+    ([*AGENT, "reward.function=engine.rollout.builtin_tools:calculator"],
+     "is not allowed: scores responses, and with rollout.agent the agent gives the reward"),
+    ([*AGENT, "rollout.multi_turn.tools=engine.rollout.builtin_tools:calculator"],
+     "is not allowed: is a setting of tool calls; with rollout.agent the agent answers each turn"),
+    ([*AGENT, "reward.model.path=/x"], "reward.model.path='/x' is not allowed: reads the data's prompt, and with "
+                                       "rollout.agent an episode's prompt is the agent's"),
     (["rollout.multi_turn.enable=true", "rollout.env=engine.rollout.builtin_envs:Nope"],
      "rollout.env='engine.rollout.builtin_envs:Nope' is not allowed: "),
 ])
@@ -415,6 +427,8 @@ def test_environment_settings_outside_their_mode_are_refused(overrides: list[str
     assert "\n" not in str(err.value)
     cfg = load_config(None, [*ENV, "rollout.multi_turn.env_error_reward=-1", "rollout.multi_turn.max_turns=4"])
     assert cfg.rollout.env == "engine.rollout.builtin_envs:GuessNumber"
+    cfg = load_config(None, [*AGENT, "rollout.multi_turn.env_step_timeout_s=3"])
+    assert cfg.rollout.episodes == "engine.rollout.builtin_agents:guess_number"
     assert build_config(json.loads(json.dumps(cfg.public_dict()))).config_hash() == cfg.config_hash()
 
 

@@ -159,12 +159,13 @@ def test_a_tool_module_loads_without_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
-def test_an_environment_module_loads_without_torch_or_pydantic() -> None:
-    """Every episode's sandbox child imports its environment's module (rollout.env), once per episode:
-    the builtin one costs no torch and no config models."""
+@pytest.mark.parametrize("module", ["engine.rollout.builtin_envs", "engine.rollout.builtin_agents"])
+def test_an_environment_or_agent_module_loads_without_torch_or_pydantic(module: str) -> None:
+    """Every episode's sandbox child imports its environment's or agent's module (rollout.env, rollout.agent),
+    once per episode: the builtin ones cost no torch and no config models."""
     import subprocess
     import sys
 
-    code = "import sys, engine.rollout.builtin_envs; print(sorted({'torch', 'pydantic'} & set(sys.modules)))"
+    code = f"import sys, {module}; print(sorted({{'torch', 'pydantic'}} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -83,7 +83,8 @@ def load_class(ref):
     return getattr(module, attr)
 """
 
-_ENV_CHILD = _LOAD_CLASS + r"""
+# What both children (an environment's, an agent's) start with: their caps, and `answer` / `failure`.
+_CHILD_HEAD = r"""
 import json, os, resource, sys
 ref = sys.argv[1]
 cap, fsize, out_cap = (int(a) for a in sys.argv[2:5])
@@ -112,7 +113,9 @@ def failure(err):
         return {"status": "error", "detail": (type(err).__name__ + ": " + str(err))[:300]}
     except BaseException:
         return {"status": "error", "detail": type(err).__name__}
+"""
 
+_ENV_CHILD = _LOAD_CLASS + _CHILD_HEAD + r"""
 try:
     env = load_class(ref)()
 except BaseException as err:
@@ -157,11 +160,15 @@ class StepOutcome:
 class EnvSession:
     """One episode's environment: a sandbox child of its own, asked one thing at a time."""
 
-    def __init__(self, ref: str, limits: EnvLimits, readable: Sequence[str] = (), until: float | None = None) -> None:
+    KIND = "environment"
+    CHILD = _ENV_CHILD  # the child's program; its arguments: the reference, its caps, then `child_args`
+
+    def __init__(self, ref: str, limits: EnvLimits, readable: Sequence[str] = (), until: float | None = None,
+                 child_args: Sequence[str] = ()) -> None:
         """`until`: the rollout's deadline (time.monotonic()); no answer is waited for past it."""
         self.ref, self.limits, self.name, self.until = ref, limits, ref.rpartition(":")[2], until
-        command = confined([sys.executable, "-I", "-c", _ENV_CHILD, ref, str(limits.memory_mb * 2**20),
-                            str(FILE_CAP), str(RESULT_CAP)], limits.sandbox(), readable)  # no bwrap: RewardError
+        command = confined([sys.executable, "-I", "-c", self.CHILD, ref, str(limits.memory_mb * 2**20),
+                            str(FILE_CAP), str(RESULT_CAP), *child_args], limits.sandbox(), readable)  # no bwrap: RewardError
         self._stack = contextlib.ExitStack()
         try:
             self._cwd = self._stack.enter_context(tempfile.TemporaryDirectory(prefix="rlflow-env-"))
@@ -173,7 +180,9 @@ class EnvSession:
         except OSError as err:
             self._stack.close()
             raise RewardError(f"the environment sandbox could not start {sys.executable}: {err}") from err
-        self._lines: queue.Queue[tuple[float, bytes | None]] = queue.Queue()
+        # what comes from the child, with when it came: its output lines (None: its end), and whatever else
+        # a subclass puts here (an agent's calls)
+        self._lines: queue.Queue[tuple[float, Any]] = queue.Queue()
         assert self._proc.stdout is not None
         self._reader = threading.Thread(target=_pump_timed, args=(self._proc.stdout, self._lines), daemon=True)
         self._reader.start()
@@ -218,7 +227,9 @@ class EnvSession:
             return self._fail(f"{what} returned {problem}")
         return outcome
 
-    def _answer(self, what: str) -> dict[str, Any] | None:
+    def _answer(self, what: str) -> Any:
+        """The child's next answer (a JSON object; or what `_event` makes of another item), or None: the
+        episode failed (past the deadline, the child ended or wrote garbage)."""
         now = time.monotonic()
         left = self._allowed - (now - self._sent)
         rollout_left = self.until - now if self.until is not None else left
@@ -233,16 +244,22 @@ class EnvSession:
             return None
         self._sent = max(self._sent, at)  # a next answer (init's, after ready) is timed from this one
         if line is None:
-            self._fail(f"{what}: the environment's process ended ({self._stderr_tail()})")
+            self._fail(f"{what}: the {self.KIND}'s process ended ({self._stderr_tail()})")
             return None
+        if not isinstance(line, bytes):
+            return self._event(line)
         try:
             record = json.loads(line)
         except ValueError:
             record = None
         if not isinstance(record, dict):
-            self._fail(f"{what}: the environment's process wrote something that is not an answer")
+            self._fail(f"{what}: the {self.KIND}'s process wrote something that is not an answer")
             return None
         return record
+
+    def _event(self, item: Any) -> Any:
+        """What a subclass made of something it put in the queue that is not an output line."""
+        raise TypeError(f"unexpected {item!r}")
 
     def _fail(self, why: str) -> StepOutcome:
         self.failed = why
@@ -271,7 +288,7 @@ class EnvSession:
 STARTUP_S = 30.0
 
 
-def _pump_timed(stream: IO[bytes], lines: queue.Queue[tuple[float, bytes | None]]) -> None:
+def _pump_timed(stream: IO[bytes], lines: queue.Queue[tuple[float, Any]]) -> None:
     """Each line the child writes, with when it came; (time, None) at its end."""
     for line in iter(lambda: stream.readline(RESULT_CAP + 4096), b""):
         lines.put((time.monotonic(), line))
@@ -359,15 +376,21 @@ def check_env(ref: str, limits: EnvLimits, readable: Sequence[str] = ()) -> None
     """ConfigError in one line for a `rollout.env` that is not an environment: not a class, without the
     protocol's `init(row)` and `step(assistant_text)`, or not buildable without arguments. The class is
     imported in the sandbox, as the episodes will import it."""
-    code = f"REF = {ref!r}\n" + _PROBE
-    result = run_sandboxed([SandboxJob(code=code, mode="exec", builtins=True)],
-                           SandboxLimits(timeout_s=max(limits.step_timeout_s, 30.0), memory_mb=limits.memory_mb,
+    probe_reference("rollout.env", ref, _PROBE, limits, readable, "an environment has init(row) -> messages and "
+                    "step(assistant_text) -> (observations, reward, done, info)")
+
+
+def probe_reference(setting: str, ref: str, probe: str, limits: EnvLimits, readable: Sequence[str],
+                    shape: str) -> None:
+    """Run `probe` (sandbox code that sets `result` to a list of problems, REF given) in the sandbox;
+    ConfigError in one line, "<setting>: <ref> <problems>; <shape>", when it cannot import or finds any."""
+    result = run_sandboxed([SandboxJob(code=f"REF = {ref!r}\n" + probe, mode="exec", builtins=True)],
+                           SandboxLimits(timeout_s=max(limits.step_timeout_s, STARTUP_S), memory_mb=limits.memory_mb,
                                          isolation=limits.sandbox().isolation), readable)[0]
     if result.status != "ok":
-        raise ConfigError(f"rollout.env: {ref} could not be imported: {result.detail or result.status}")
+        raise ConfigError(f"{setting}: {ref} could not be imported: {result.detail or result.status}")
     if result.value:
-        raise ConfigError(f"rollout.env: {ref} {', '.join(result.value)}; an environment has init(row) -> "
-                          "messages and step(assistant_text) -> (observations, reward, done, info)")
+        raise ConfigError(f"{setting}: {ref} {', '.join(result.value)}; {shape}")
 
 
 def env_files(ref: str) -> list[str]:
@@ -464,11 +487,11 @@ class EnvEpisodes:
             mask[r, self.width - len(row):] = 1
         return ids, mask
 
-    def cut(self, ids: list[int]) -> int | None:
+    def cut(self, row: int, ids: list[int]) -> int | None:
         return None  # a turn ends at a stop token (or the length limit)
 
-    def reply(self, turn: int, rows: list[int], ids: list[list[int]], ends: list[str], room: list[bool]
-              ) -> list[Any]:
+    def reply(self, turn: int, rows: list[int], ids: list[list[int]], ends: list[str], room: list[bool],
+              logps: list[list[float]]) -> list[Any]:
         from engine.rollout.multi_turn import Reply
 
         for r, new in zip(rows, ids):

@@ -69,14 +69,16 @@ class Episodes(Protocol):
         """The rows' prompt tokens and attention mask [B, P], left padded (a width every rank shares)."""
         ...
 
-    def cut(self, ids: list[int]) -> int | None:
-        """Where a turn of generated tokens ends early (a tool call's closing text), or None."""
+    def cut(self, row: int, ids: list[int]) -> int | None:
+        """Where row `row`'s turn of generated tokens ends early (a tool call's closing text, an agent's
+        max_tokens), or None."""
         ...
 
-    def reply(self, turn: int, rows: list[int], ids: list[list[int]], ends: list[str], room: list[bool]
-              ) -> list[Reply]:
-        """The answers to the rows' turns. `ids`: each turn's tokens; `ends`: the stop token the turn ended
-        with, as text ("" if cut or cut off); `room`: whether the row can go on (turns and tokens left)."""
+    def reply(self, turn: int, rows: list[int], ids: list[list[int]], ends: list[str], room: list[bool],
+              logps: list[list[float]]) -> list[Reply]:
+        """The answers to the rows' turns. `ids`: each turn's tokens, `logps` their behaviour log-probs;
+        `ends`: the stop token the turn ended with, as text ("" if cut or cut off); `room`: whether the row
+        can go on (turns and tokens left)."""
         ...
 
     def columns(self, rows: int, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]]:
@@ -159,11 +161,11 @@ def _turns(rollout: Any, tokenizer: Any, episodes: Episodes, cfg: RolloutConfig,
             for j, r in enumerate(micro):
                 keep = out.response_mask[j].bool()
                 generated[r] = (out.responses[j][keep].tolist(), out.logp[j][keep].tolist())
-        turn_ids, ends, room = [], [], []
+        turn_ids, turn_logps, ends, room = [], [], [], []
         for r in going:
             new, lp = generated[r]
             new, lp = new[:limit - len(tokens[r])], lp[:limit - len(tokens[r])]
-            cut = episodes.cut(new)
+            cut = episodes.cut(r, new)
             if cut is not None:
                 new, lp = new[:cut], lp[:cut]
             tokens[r] += new
@@ -172,10 +174,11 @@ def _turns(rollout: Any, tokenizer: Any, episodes: Episodes, cfg: RolloutConfig,
             rewards[r] += [0.0] * len(new)
             turns[r].append({"role": "assistant", "content": _visible(tokenizer, new)})
             turn_ids.append(new)
+            turn_logps.append(lp)
             ends.append(tokenizer.decode(new[-1:], skip_special_tokens=False) if new and new[-1] in stops else "")
             room.append(turn + 1 < mt.max_turns and len(tokens[r]) < limit)
         still = []
-        for r, answer in zip(going, episodes.reply(turn, going, turn_ids, ends, room)):
+        for r, answer in zip(going, episodes.reply(turn, going, turn_ids, ends, room, turn_logps)):
             if tokens[r]:  # the step's reward at the last token of the turn it answers
                 rewards[r][-1] += answer.reward
             turns[r][-1].update(answer.step)
@@ -209,11 +212,11 @@ class ToolEpisodes:
     def prompts(self, prompts: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         return prompts["input_ids"], prompts["attention_mask"]
 
-    def cut(self, ids: list[int]) -> int | None:
+    def cut(self, row: int, ids: list[int]) -> int | None:
         return _call_end(self.tokenizer, ids, self.mt.format)
 
-    def reply(self, turn: int, rows: list[int], ids: list[list[int]], ends: list[str], room: list[bool]
-              ) -> list[Reply]:
+    def reply(self, turn: int, rows: list[int], ids: list[list[int]], ends: list[str], room: list[bool],
+              logps: list[list[float]]) -> list[Reply]:
         replies = [Reply(None) for _ in rows]
         pending: list[tuple[int, ToolCall | str]] = []
         for k, (new, go) in enumerate(zip(ids, room)):

@@ -33,6 +33,7 @@ from engine.models import lora
 from engine.models.loading import dropout_left, load_model, load_tokenizer
 from engine.models.tokens import cache_argument, packed_inputs, positions, stop_token_ids
 from engine.rewards.reward_model import prompts_of
+from engine.rollout.agents import AgentEpisodes, Sampling
 from engine.rollout.backends import make_rollout
 from engine.rollout.base import SamplingParams
 from engine.rollout.envs import EnvEpisodes, EnvLimits, check_chat_template, env_files
@@ -75,7 +76,7 @@ def rollout_tools(spec: PolicySpec, tokenizer: Any) -> dict[str, Any]:
     cannot render, or an environment's model without a chat template, is refused here."""
     if not spec.rollout.multi_turn.enable:
         return {}
-    if spec.rollout.env is not None:
+    if spec.rollout.episodes is not None:
         check_chat_template(tokenizer)
         return {}
     tools = load_tools(spec.rollout.multi_turn.tools)
@@ -461,12 +462,16 @@ def generate_batch(rollout: Any, prompts: Batch, cfg: RolloutConfig, *, seed: in
     `rollout_version` [B] (the weights' version)."""
     params = SamplingParams(cfg.max_new_tokens, do_sample, cfg.temperature, cfg.top_p, cfg.top_k)
     stage = ("rollout" if do_sample else "rollout_greedy") + (f"/draw{draw}" if draw else "")
-    if cfg.env is not None:  # assistant -> environment -> assistant (engine/rollout/envs.py)
+    if cfg.episodes is not None:  # assistant -> environment or agent -> assistant (engine/rollout/envs.py, agents.py)
         mt = cfg.multi_turn
-        episodes = EnvEpisodes(tokenizer, cfg.env, EnvLimits(mt.env_step_timeout_s, mt.env_memory_mb, isolation,
-                                                          mt.env_rollout_timeout_s),
-                               width=prompt_width, error_reward=mt.env_error_reward, readable=env_files(cfg.env),
-                               seeds=[derive_seed(seed, iteration, f"{stage}/episode{r}", rank) for r in range(len(prompts))])
+        limits = EnvLimits(mt.env_step_timeout_s, mt.env_memory_mb, isolation, mt.env_rollout_timeout_s)
+        seeds = [derive_seed(seed, iteration, f"{stage}/episode{r}", rank) for r in range(len(prompts))]
+        episodes: EnvEpisodes = (
+            EnvEpisodes(tokenizer, cfg.env, limits, width=prompt_width, error_reward=mt.env_error_reward,
+                        readable=env_files(cfg.env), seeds=seeds) if cfg.env is not None else
+            AgentEpisodes(tokenizer, cfg.episodes, limits, width=prompt_width, error_reward=mt.env_error_reward,
+                          readable=env_files(cfg.episodes), seeds=seeds,
+                          sampling=Sampling(temperature=cfg.temperature, top_p=cfg.top_p)))
         return run_episodes(rollout, tokenizer, episodes, prompts, cfg, seed=seed, iteration=iteration, rank=rank,
                             do_sample=do_sample, version=version, stage=stage)
     if cfg.multi_turn.enable:  # assistant -> tool -> assistant (engine/rollout/multi_turn.py)

@@ -326,6 +326,7 @@ def test_resume_refused_leaves_the_run_intact(case: str, offline: Offline, exist
 TAMPERED = {  # what whoever writes the bucket puts into run.json: code to run, files to write elsewhere
     "reward.function": "{tmp}/evil.py:reward",
     "rollout.env": "{tmp}/evil.py:reward",
+    "rollout.agent": "{tmp}/evil.py:reward",
     "model.trust_remote_code": True,
     "trainer.log_dir": "{tmp}/elsewhere",
 }

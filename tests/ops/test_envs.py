@@ -1,5 +1,6 @@
-"""An environment (rollout.env) through the real CLI, stack and storage: GuessNumber (with some episodes
-hanging past their deadline) played by the quickly built tiny model, two iterations of GRPO.
+"""An environment (rollout.env) and an agent (rollout.agent) through the real CLI, stack and storage:
+GuessNumber (with some episodes hanging past their deadline) played by the quickly built tiny model, two
+iterations of GRPO; the agent is the same game written against the openai client.
 
 - The rollout buffer keeps every episode's turns, readable with pandas; the hints are holes in the
   response mask; the reward stage's score is the environment's, and its token scores put each step's
@@ -7,7 +8,8 @@ hanging past their deadline) played by the quickly built tiny model, two iterati
   reason in the buffer and counted in the metrics, and the iteration goes on.
 - A stage failing past its retries, then the resume killed after an update (flow and engine), then
   resumed again: the uninterrupted run's weights bit for bit, every complete buffer kept (the episodes'
-  rollout is reused, not played again).
+  rollout is reused, not played again). With the agent, the same path ends with the environment's
+  uninterrupted weights: its calls made the environment's rows, token for token.
 """
 
 from __future__ import annotations
@@ -33,16 +35,19 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ENVS = Path(__file__).resolve().parents[1] / "pipeline" / "envs.py"
 KILL_AFTER_UPDATE_2 = ("debug.kill_flow_after=update_policy", "debug.kill_iteration=2")
 ITERATIONS, N, PROMPTS = 2, 4, 4
-ENV = ("rollout.multi_turn.enable=true", f"rollout.env={ENVS}:GuessOrHang", "rollout.multi_turn.max_turns=3",
-       "rollout.multi_turn.env_step_timeout_s=1", "rollout.multi_turn.env_error_reward=-0.5")
+AGENTS = ENVS.parent / "agents.py"
+SETTINGS = ("rollout.multi_turn.max_turns=3", "rollout.multi_turn.env_step_timeout_s=1",
+            "rollout.multi_turn.env_error_reward=-0.5")
+ENV = ("rollout.multi_turn.enable=true", f"rollout.env={ENVS}:GuessOrHang", *SETTINGS)
+AGENT = ("rollout.multi_turn.enable=true", f"rollout.agent={AGENTS}:guess_or_hang", *SETTINGS)
 
 
-def args(model: Path, root: Path, run_id: str, *extra: str) -> list[str]:
+def args(model: Path, root: Path, run_id: str, *extra: str, side: tuple[str, ...] = ENV) -> list[str]:
     return [f"model.path={model}", f"storage.root={root}", f"trainer.run_id={run_id}",
             f"trainer.total_iterations={ITERATIONS}", "trainer.save_every=1", "trainer.val_every=0",
             f"data.train_batch_size={PROMPTS}", f"rollout.n={N}", "actor.mini_batch_size=16", "actor.micro_batch_size=16",
             "data.train_size=64", "data.val_size=8", "rollout.max_new_tokens=48", "actor.lr=1e-3",
-            "data.max_prompt_length=32", *ENV, *extra]
+            "data.max_prompt_length=32", *side, *extra]
 
 
 def metrics(root: Path, run_id: str) -> list[dict]:
@@ -113,27 +118,34 @@ def test_episodes_are_in_the_buffers_and_their_rewards_are_the_environments(refe
     assert "ended as an error: GuessOrHang.step ran over its 1 s" in logs
 
 
-def test_failed_then_killed_env_run_resumes_like_the_uninterrupted_one(
-        cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path, reference: dict) -> None:
+@pytest.mark.parametrize("side", [ENV, AGENT], ids=["env", "agent"])
+def test_failed_then_killed_run_resumes_like_the_uninterrupted_one(
+        side: tuple[str, ...], cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path, reference: dict
+) -> None:
     """compute_advantages of iteration 2 fails past its retries; run again, the run reuses iteration 2's
     episodes and is killed, flow and engine, right after that iteration's update; the second resume ends
-    with the uninterrupted run's weights. No complete buffer is ever rewritten."""
+    with the uninterrupted environment run's weights. No complete buffer is ever rewritten."""
     failed = cli("train", *args(tiny_model_dir, tmp_path, "env-fail", "debug.fail_stage=compute_advantages",
-                                "debug.fail_times=3", "debug.fail_iteration=2"))
+                                "debug.fail_times=3", "debug.fail_iteration=2", side=side))
     assert failed.returncode != 0 and failed.returncode != -signal.SIGKILL, failed.stderr[-3000:]
     assert metrics_done(tmp_path, "env-fail") == [1]
     before = buffers(tmp_path, "env-fail")
     assert any("iter_000002/rollout" in k for k in before)
-    # the environment is code: given again on every resume (run.json never chooses it)
-    killed = cli("train", "--resume", "env-fail", f"storage.root={tmp_path}", *ENV[:2], *KILL_AFTER_UPDATE_2)
+    # the environment or agent is code: given again on every resume (run.json never chooses it)
+    killed = cli("train", "--resume", "env-fail", f"storage.root={tmp_path}", *side[:2], *KILL_AFTER_UPDATE_2)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert cli("engine", "stop", "env-fail").returncode == 0
     after_kill = buffers(tmp_path, "env-fail")
     assert all(after_kill[k] == v for k, v in before.items())  # the failed iteration's episodes were reused
-    again = warm_cli("train", "--resume", "env-fail", f"storage.root={tmp_path}", *ENV[:2])
+    again = warm_cli("train", "--resume", "env-fail", f"storage.root={tmp_path}", *side[:2])
     assert again.returncode == 0, again.stderr[-4000:]
     after = buffers(tmp_path, "env-fail")
     assert all(after[k] == v for k, v in after_kill.items())
     assert_equal_weights(weights(tmp_path, "env-fail"), reference["weights"])
     assert [m["env/reward/mean"] for m in metrics(tmp_path, "env-fail")] == \
         [m["env/reward/mean"] for m in reference["metrics"]]
+    if side is AGENT:  # the agent's episodes are the environment's: the same rows, hung ones included
+        for i in range(1, ITERATIONS + 1):
+            mine, env = buffer(tmp_path, "env-fail", i, "rollout"), buffer(reference["root"], "env-ref", i, "rollout")
+            for key in ("input_ids", "response_mask", "rollout_logp", "env_reward", "env_errors", "env_steps"):
+                assert torch.equal(mine[key], env[key]), key

@@ -131,6 +131,7 @@ EFFECTS: dict[str, Run | Refused | AtStart | Shown] = {
     "rollout.multi_turn.env_error_reward": Refused("-1"),
     "rollout.multi_turn.env_rollout_timeout_s": Refused("60"),
     "rollout.env": Refused("engine.rollout.builtin_envs:GuessNumber"),
+    "rollout.agent": Refused("engine.rollout.builtin_agents:guess_number"),
     "rollout.log_prob_max_tokens_per_micro_batch": Run("8"),
     "rollout.vllm.max_model_len": Refused("64"),
     "rollout.vllm.memory_share": Refused("0.1"),

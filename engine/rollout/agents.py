@@ -1,0 +1,515 @@
+"""Black-box agents (`rollout.agent=module:function` or `path/to/file.py:function`): any agent written
+against the `openai` package is a rollout.
+
+    def agent(client: openai.OpenAI, row: dict) -> float:
+        messages = [{"role": "user", "content": row["prompt"][-1]["content"]}]
+        reply = client.chat.completions.create(model="policy", messages=messages)
+        ...                                    # tools, parsing, more calls with the conversation so far
+        return reward
+
+`row` is what an environment's init gets (engine.rollout.envs: the data row's fields and a `seed` for
+what the agent draws). Each episode's agent runs in a sandbox child of its own (as an environment does),
+with an OpenAI client whose transport is a Unix socket bound into that sandbox alone and whose API key is
+the episode's own: the engine serves `/v1/chat/completions` there during the rollout stage, and nothing
+else reaches the agent or leaves it but the float it returns.
+
+The episode is the agent's calls. The first call's messages, through the chat template, are the row's
+prompt; each answer is a turn the policy samples (rollout.temperature and top_p, the run's seeds). A later
+call must send the conversation so far: the earlier messages, the assistant's reply as it was answered,
+then the new messages (a tool's result, a user's reply), which the model reads as observations (holes in
+the response mask), written as the chat template writes them. The row keeps the tokens the engine
+sampled and their log-probs, never a re-tokenisation of the text. The returned float is the episode's
+reward, at its last sampled token.
+
+The endpoint samples as the run does: a request may name `temperature` or `top_p` only with the run's
+values, `n` 1, no streaming, no tools, stop strings or seed (each answered with a 400 that names it; the
+episode then ends as an error). `max_tokens` (or `max_completion_tokens`) cuts that answer; `logprobs`
+returns the sampled tokens' log-probs. Every answer carries the sampled `token_ids` (in its choice, as
+vLLM's `return_token_ids` does). When the episode has no turns or tokens left, the next call is answered
+with a 400 (as a server answers a prompt over its context) and the agent's return ends the episode.
+Deadlines and errors are an environment's (rollout.multi_turn.env_*): the agent has env_step_timeout_s
+from each answer to its next call or its return; a raise, a hang, a call that does not continue the
+conversation, or a return that is not a finite number ends the episode as an error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import shutil
+import socketserver
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler
+from typing import Any
+
+from engine.errors import ConfigError
+from engine.rollout.envs import (
+    _CHILD_HEAD,
+    _LOAD_CLASS,
+    EnvEpisodes,
+    EnvLimits,
+    EnvSession,
+    Message,
+    _row,
+    _shown,
+    _why,
+    observation_text,
+    probe_reference,
+    prompt_ids,
+)
+
+# The child: import the function and the openai client, say ready, read the row, run the agent, answer
+# with what it returned. The API key comes on stdin (not in the command line, which `ps` shows).
+_AGENT_CHILD = _LOAD_CLASS + _CHILD_HEAD + r"""
+socket_path = sys.argv[5]
+key = sys.stdin.readline().strip()
+try:
+    import httpx, openai
+    function = load_class(ref)
+    client = openai.OpenAI(base_url="http://rlflow/v1", api_key=key, max_retries=0, timeout=None,
+                           http_client=httpx.Client(transport=httpx.HTTPTransport(uds=socket_path), timeout=None))
+except BaseException as err:
+    answer(failure(err))
+    sys.exit(0)
+answer({"status": "ready"})
+row = json.loads(sys.stdin.readline())
+try:
+    record = {"status": "ok", "value": function(client, row)}
+except BaseException as err:
+    record = failure(err)
+answer(record)
+"""
+
+BODY_CAP = 4 * 2**20  # a request's body at most
+SERVED = {"model", "messages", "temperature", "top_p", "max_tokens", "max_completion_tokens", "logprobs", "n",
+          "stream", "top_logprobs", "return_token_ids"}
+
+
+@dataclass
+class Call:
+    """One request of the agent, waiting for its answer."""
+
+    body: Any
+    status: int = 0
+    response: dict[str, Any] = field(default_factory=dict)
+    answered: threading.Event = field(default_factory=threading.Event)
+
+    def answer(self, status: int, response: dict[str, Any]) -> None:
+        self.status, self.response = status, response
+        self.answered.set()
+
+
+def _error(message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self._send(404, _error(f"{self.path}: only POST /v1/chat/completions is served"))
+
+    def do_POST(self) -> None:  # noqa: N802
+        session = self.server.session
+        if self.headers.get("Authorization") != f"Bearer {session.key}":
+            self._send(401, _error("not this episode's key"))
+            return
+        if self.path.rstrip("/") != "/v1/chat/completions":
+            self._send(404, _error(f"{self.path}: only POST /v1/chat/completions is served"))
+            return
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > BODY_CAP:
+            self._send(413, _error(f"a request's body is at most {BODY_CAP} bytes"))
+            return
+        try:
+            body = json.loads(self.rfile.read(length))
+        except ValueError:
+            self._send(400, _error("the body is not JSON"))
+            return
+        call = session.arrived(body)
+        if call is None:
+            self._send(409, _error("one call at a time: an earlier call of this episode is not answered yet"))
+            return
+        call.answered.wait()
+        self._send(call.status, call.response)
+
+    def _send(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:  # the agent is gone (its episode ended and its process was killed)
+            self.close_connection = True
+
+
+class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+
+    def __init__(self, path: str, session: AgentSession) -> None:
+        self.session = session
+        super().__init__(path, _Handler)
+
+
+class AgentSession(EnvSession):
+    """One episode's agent: a sandbox child of its own, and the endpoint its client reaches (a Unix socket
+    in a folder only this process and that sandbox see, and a key of its own)."""
+
+    KIND = "agent"
+    CHILD = _AGENT_CHILD
+
+    def __init__(self, ref: str, limits: EnvLimits, readable: Sequence[str] = (), until: float | None = None) -> None:
+        self.key = secrets.token_hex(16)
+        self._folder = tempfile.mkdtemp(prefix="rlflow-agent-")  # mode 0700
+        self.socket_path = os.path.join(self._folder, "api.sock")
+        self._lock = threading.Lock()
+        self.pending: Call | None = None  # the call the loop has not answered yet
+        self._server = _Server(self.socket_path, self)
+        self._serving = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                         daemon=True)
+        self._serving.start()
+        try:
+            super().__init__(ref, limits, [*readable, self.socket_path], until, child_args=[self.socket_path])
+        except BaseException:
+            self._stop_serving()
+            raise
+        self.calls = 0  # the calls answered with a turn
+        self.messages: list[Message] = []  # the conversation of the last call
+        self.replied = ""  # the text of the last answer
+
+    def arrived(self, body: Any) -> Call | None:
+        """A request from the agent (the server's thread): queued for the loop, or None while another waits."""
+        with self._lock:
+            if self.pending is not None or self._proc is None:
+                return None if self.pending is not None else _closed_call()
+            self.pending = Call(body)
+            self._lines.put((time.monotonic(), self.pending))
+            return self.pending
+
+    def _event(self, item: Any) -> Any:
+        return item  # a Call
+
+    def start(self, row: dict[str, Any]) -> Call | float | None:
+        """Send the key and the row; the agent's first call, its return (a reward), or None (failed)."""
+        assert self._proc is not None and self._proc.stdin is not None
+        try:
+            self._proc.stdin.write(f"{self.key}\n{json.dumps(row, default=str)}\n".encode())
+            self._proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # the child is gone: the answer it never gives says so
+        ready = self._answer(f"{self.name}'s start")
+        if ready is None:
+            return None
+        if not isinstance(ready, dict) or ready.get("status") != "ready":
+            self._fail(f"{self.name} could not be loaded: {_why(ready) if isinstance(ready, dict) else 'no answer'}")
+            return None
+        self._allowed = self.limits.step_timeout_s  # the first call's deadline runs from the child being ready
+        return self.wait("its first call")
+
+    def respond(self, status: int, body: dict[str, Any]) -> None:
+        """Answer the pending call; the agent's deadline for its next call (or return) starts now."""
+        with self._lock:
+            call, self.pending = self.pending, None
+        if call is not None:
+            call.answer(status, body)
+        self._sent, self._allowed = time.monotonic(), self.limits.step_timeout_s
+
+    def refuse(self, why: str) -> None:
+        """Answer the pending call with a 400 saying `why`; the episode ends as an error."""
+        self.respond(400, _error(why))
+        self._fail(f"{self.name}'s call {self.calls + 1}: {why}")
+
+    def wait(self, what: str) -> Call | float | None:
+        """The agent's next call, its reward (it returned), or None: the episode failed."""
+        item = self._answer(f"{self.name}: {what}")
+        if item is None or isinstance(item, Call):
+            return item
+        if item.get("status") != "ok":
+            self._fail(f"{self.name} failed: {_why(item)}")
+            return None
+        value = item.get("value")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            self._fail(f"{self.name} returned {_shown(value)}, not a finite number (the episode's reward)")
+            return None
+        return float(value)
+
+    def close(self) -> None:
+        super().close()  # the child first: nothing calls after this
+        with self._lock:
+            call, self.pending = self.pending, None
+        if call is not None:
+            call.answer(503, _error("the episode is over"))
+        self._stop_serving()
+
+    def _stop_serving(self) -> None:
+        if self._serving.is_alive():
+            self._server.shutdown()
+        self._server.server_close()
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+
+def _closed_call() -> Call:
+    call = Call(None)
+    call.answer(503, _error("the episode is over"))
+    return call
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The run's sampling, which a request may restate but not change."""
+
+    temperature: float
+    top_p: float
+
+
+@dataclass
+class Request:
+    messages: list[Message]
+    max_tokens: int | None
+    logprobs: bool
+
+
+def check_request(body: Any, sampling: Sampling) -> tuple[str, Request | None]:
+    """(why the request is refused, or ""; what it asks)."""
+    if not isinstance(body, dict):
+        return "the body is not a JSON object", None
+    extra = sorted(k for k, v in body.items() if k not in SERVED and v is not None)
+    if extra:
+        return (f"{extra[0]} is not served: rlflow's endpoint samples as the run does (served: "
+                f"{', '.join(sorted(SERVED))})"), None
+    for key, run in (("temperature", sampling.temperature), ("top_p", sampling.top_p)):
+        if body.get(key) is not None and body[key] != run:
+            return f"{key}={body[key]!r}: the run samples with rollout.{key}={run!r} (leave it out, or give that)", None
+    if body.get("n") not in (None, 1):
+        return f"n={body['n']!r}: one answer a call (rollout.n makes the group)", None
+    if body.get("stream"):
+        return "stream=true is not served: an answer comes whole", None
+    if body.get("top_logprobs") not in (None, 0):
+        return "top_logprobs is not served: logprobs=true gives the sampled tokens' log-probs", None
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        return f"max_tokens={limit!r}: a positive integer", None
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return "messages: a non-empty list of {'role': ..., 'content': str}", None
+    kept: list[Message] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return f"messages[{i}]: not {{'role': str, 'content': str}} (text content only)", None
+        other = sorted(k for k, v in m.items() if k not in ("role", "content") and v not in (None, [], ""))
+        if other:
+            return f"messages[{i}].{other[0]} is not served (role and text content only)", None
+        kept.append({"role": m["role"], "content": m["content"]})
+    return "", Request(kept, limit, bool(body.get("logprobs")))
+
+
+def completion(tokenizer: Any, session: AgentSession, model: Any, ids: list[int], logps: list[float],
+               finish: str, with_logprobs: bool, prompt_tokens: int) -> dict[str, Any]:
+    """The chat.completion answering the pending call: the turn's text, its token ids, and log-probs."""
+    text = str(tokenizer.decode(ids, skip_special_tokens=True))
+    logprobs = None
+    if with_logprobs:
+        pieces = tokenizer.convert_ids_to_tokens(ids)
+        logprobs = {"content": [
+            {"token": str(piece), "logprob": lp, "top_logprobs": [],
+             "bytes": list(tokenizer.decode([i], skip_special_tokens=False).encode())}
+            for i, piece, lp in zip(ids, pieces, logps)]}
+    return {"id": f"chatcmpl-{session.key[:8]}-{session.calls}", "object": "chat.completion",
+            "created": int(time.time()), "model": model if isinstance(model, str) else "policy",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                         "logprobs": logprobs, "token_ids": list(ids)}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(ids),
+                      "total_tokens": prompt_tokens + len(ids)}}
+
+
+class AgentEpisodes(EnvEpisodes):
+    """rollout.agent as the other side of engine.rollout.multi_turn's loop: one AgentSession per row. It
+    fills the columns an environment's episodes do (EnvEpisodes: env_reward, env_errors, env_steps: the
+    calls answered, env_prompt: the first call's messages, env_error)."""
+
+    def __init__(self, tokenizer: Any, ref: str, limits: EnvLimits, *, width: int, error_reward: float,
+                 seeds: list[int], sampling: Sampling, readable: Sequence[str] = ()) -> None:
+        super().__init__(tokenizer, ref, limits, width=width, error_reward=error_reward, seeds=seeds,
+                         readable=readable)
+        self.sampling = sampling
+        self.agents: list[AgentSession] = []
+        self.asked: list[Request | None] = []  # each row's pending request
+        self.rewards: list[float | None] = []  # what each agent returned
+        self.context: list[int] = []  # each row's tokens so far (prompt and turns), for `usage`
+
+    def prompts(self, prompts: Any) -> tuple[Any, Any]:
+        import torch
+
+        rows = len(prompts)
+        self.steps = [0] * rows
+        self.asked, self.rewards, self.context = [None] * rows, [None] * rows, [0] * rows
+        timeout = self.limits.rollout_timeout_s
+        until = time.monotonic() + timeout if timeout is not None else None
+        for _ in range(rows):  # appended one by one: close() ends those started if one cannot start
+            self.agents.append(AgentSession(self.ref, self.limits, self.readable, until))
+        self.sessions = list(self.agents)
+        firsts = [agent.start(_row(prompts, r, self.seeds[r])) for r, agent in enumerate(self.agents)]
+        pad = int(self.tokenizer.pad_token_id)
+        ids = torch.full((rows, self.width), pad, dtype=torch.long)
+        mask = torch.zeros((rows, self.width), dtype=torch.long)
+        silent = 0
+        for r, (agent, first) in enumerate(zip(self.agents, firsts)):
+            row: list[int] = []
+            if isinstance(first, float):
+                silent += 1
+                agent._fail(f"{agent.name} returned without calling the endpoint (client.chat.completions.create)")
+            elif isinstance(first, Call):
+                request = self._take(agent, first)
+                if request is not None:
+                    agent.messages = request.messages
+                    row = prompt_ids(self.tokenizer, request.messages)
+                    if len(row) > self.width:
+                        agent.refuse(f"the first call's prompt is {len(row)} tokens, over data.max_prompt_length="
+                                     f"{self.width}")
+            self.prompt_messages.append(agent.messages)
+            if agent.failed:  # the episode is an error from the start: the model answers the row's own prompt
+                row = prompts["input_ids"][r][prompts["attention_mask"][r].bool()].tolist()[-self.width:]
+            self.context[r] = len(row)
+            ids[r, self.width - len(row):] = torch.tensor(row, dtype=torch.long)
+            mask[r, self.width - len(row):] = 1
+        if rows and silent == rows:
+            raise ConfigError(f"rollout.agent: {self.ref} returned without calling the endpoint in every episode: an "
+                              "agent's episode is its calls of client.chat.completions.create")
+        return ids, mask
+
+    def _take(self, agent: AgentSession, call: Call) -> Request | None:
+        """The call's request, checked (refused: None, and the episode ends as an error)."""
+        problem, request = check_request(call.body, self.sampling)
+        if problem:
+            agent.refuse(problem)
+            return None
+        self.asked[self.agents.index(agent)] = request
+        return request
+
+    def cut(self, row: int, ids: list[int]) -> int | None:
+        request = self.asked[row] if row < len(self.asked) else None
+        if request is not None and request.max_tokens is not None and len(ids) > request.max_tokens:
+            return request.max_tokens
+        return None
+
+    def reply(self, turn: int, rows: list[int], ids: list[list[int]], ends: list[str], room: list[bool],
+              logps: list[list[float]]) -> list[Any]:
+        from engine.rollout.multi_turn import Reply
+
+        for r, new, lp, end in zip(rows, ids, logps, ends):
+            agent, request = self.agents[r], self.asked[r]
+            if agent.failed or request is None:
+                continue
+            body = agent.pending.body if agent.pending is not None else {}
+            finish = "stop" if end else "length"
+            agent.respond(200, completion(self.tokenizer, agent, body.get("model"), new, lp, finish,
+                                          request.logprobs, self.context[r]))
+            agent.calls += 1
+            self.steps[r] += 1
+            agent.replied = str(self.tokenizer.decode(new, skip_special_tokens=True))
+            self.context[r] += len(new)
+        replies = []
+        for r, end, go in zip(rows, ends, room):
+            agent = self.agents[r]
+            waited = agent.wait(f"its call {agent.calls + 1} or its return") if not agent.failed else None
+            event = self._continued(r, waited, end, go) if isinstance(waited, Call) else waited
+            if isinstance(event, tuple):  # the episode goes on: the model reads the new messages
+                text, said = event
+                replies.append(Reply(text, [dict(m) for m in said]))
+            elif isinstance(event, float):
+                self.rewards[r] = event
+                agent.close()
+                replies.append(Reply(None, reward=event, step={"reward": event, "done": True}))
+            else:
+                replies.append(Reply(None, step={"error": agent.failed}))
+        return replies
+
+    def _continued(self, r: int, call: Call, end: str, go: bool) -> tuple[str, list[Message]] | float | None:
+        """A later call: (the text the model reads next, the new messages); or, with no room left, the
+        agent's return after a 400; or None (refused: the episode failed)."""
+        agent = self.agents[r]
+        request = self._take(agent, call)
+        if request is None:
+            return None
+        before = agent.messages + [{"role": "assistant", "content": agent.replied}]
+        if request.messages[:len(before)] != before:
+            agent.refuse(f"it does not continue the conversation: a call sends the earlier messages and the "
+                         f"assistant's reply as answered ({_shown(agent.replied)}), then what is new")
+            return None
+        new = request.messages[len(before):]
+        if not new:
+            agent.refuse("it adds no message after the assistant's reply: the model answers what is new")
+            return None
+        if not go:
+            return self._out_of_room(r)
+        text = observation_text(self.tokenizer, new, end)
+        agent.messages = request.messages
+        self.context[r] += len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return text, new
+
+    def _out_of_room(self, r: int) -> float | None:
+        """Answer the pending call with a 400 (no turns or tokens left); the agent's return, or None."""
+        agent = self.agents[r]
+        agent.respond(400, _error("the episode has no room left (rollout.multi_turn.max_turns, "
+                                  "rollout.max_new_tokens): return its reward"))
+        self.asked[r] = None
+        event = agent.wait("its return, after its room ran out")
+        if isinstance(event, Call):
+            agent.refuse("the episode has no room left")
+            return None
+        if isinstance(event, float):
+            self.rewards[r] = event
+            agent.close()
+        return event
+
+    def columns(self, rows: int, tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+        token_rewards = tensors["token_rewards"].clone()
+        for r, agent in enumerate(self.agents):  # its last call came with the response already full
+            if not agent.failed and self.rewards[r] is None and agent.pending is not None:
+                reward = self._out_of_room(r)
+                trained = tensors["response_mask"][r].nonzero()
+                if reward is not None and len(trained):
+                    token_rewards[r, int(trained[-1])] += reward
+        return super().columns(rows, {**tensors, "token_rewards": token_rewards})
+
+
+# -- the signature, checked before a run -----------------------------------------------------------
+
+_PROBE = _LOAD_CLASS + """
+import inspect
+problems = []
+try:
+    import openai
+except ImportError:
+    problems.append("needs the openai package, which this environment does not have (pip install openai)")
+function = load_class(REF)
+if not callable(function) or inspect.isclass(function):
+    problems.append("is not a function")
+else:
+    try:
+        inspect.signature(function).bind("client", "row")
+    except TypeError:
+        problems.append("does not take (client, row)")
+    except ValueError:
+        pass
+result = problems
+"""
+
+
+def check_agent(ref: str, limits: EnvLimits, readable: Sequence[str] = ()) -> None:
+    """ConfigError in one line for a `rollout.agent` that is not an agent: not a function of (client, row),
+    or the openai package missing. The function is imported in the sandbox, as its episodes import it."""
+    probe_reference("rollout.agent", ref, _PROBE, limits, readable, "an agent is function(client, row) -> reward, "
+                    "client an openai.OpenAI")
