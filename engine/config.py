@@ -132,6 +132,11 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 disables top-k")
     max_new_tokens: int = Field(16, gt=0)
+    partial_tokens: int | None = Field(
+        None, gt=0, description="partial rollouts (trainer.max_staleness >= 1): the rollout of iteration i samples "
+        "its first partial_tokens tokens a response with the weights of version i-1-k, and the responses still "
+        "going then continue with version i-k, which the weight sync brings in while they wait (each token's "
+        "version is kept: token_version); None: every token from version i-1-k")
     val_do_sample: bool = Field(False, description="validation decodes greedily unless set")
     micro_batch_size: int = Field(64, gt=0, description="sequences per generate call per rank")
     weights: Literal["actor", "copy"] = Field(

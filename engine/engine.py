@@ -198,13 +198,15 @@ class Engine:
 
     # -- stages ------------------------------------------------------------------------------------
     def generate(self, prompts: Batch, *, iteration: int, expected_version: int | None, do_sample: bool = True,
-                 pool: Literal["rollout", "policy"] = "rollout", draw: int = 0) -> Batch:
+                 pool: Literal["rollout", "policy"] = "rollout", draw: int = 0, part: int = 0,
+                 max_new_tokens: int | None = None) -> Batch:
         """Responses from the rollout pool (split placement) or the policy ranks (colocated, and
         `pool="policy"`: validation, from the training weights). `draw`: the prompt batch's number within
-        the iteration (dynamic sampling draws several), part of the sampling seeds."""
+        the iteration (dynamic sampling draws several), part of the sampling seeds; `part`, `max_new_tokens`:
+        partial rollouts (engine.workers.policy.generate_batch)."""
         group = self.rollout if pool == "rollout" and self.rollout is not None else self.policy
         return group.call("generate", prompts, mode="dp", iteration=iteration, expected_version=expected_version,
-                          do_sample=do_sample, draw=draw)
+                          do_sample=do_sample, draw=draw, part=part, max_new_tokens=max_new_tokens)
 
     def sync_weights(self, version: int) -> dict[str, float]:
         """Split placement: the training pool's weights (at `version`) to the rollout pool, in buckets;

@@ -30,9 +30,15 @@ def stages_for(cfg: RLConfig) -> list[StageSpec]:
     spec = get_adv_estimator(cfg.algorithm.adv_estimator)
     env = cfg.rollout.episodes is not None  # an agent's episodes fill the same columns
     turns = ("turns", *(ENV_COLUMNS if env else ("tool_calls", "tool_errors"))) if cfg.rollout.multi_turn.enable else ()
-    stages = [StageSpec(name="generate_rollouts", task="generate_rollouts", reads=(), engine=True, buffer="rollout",
-                        writes=(*PROMPT_COLUMNS, "prompt_ids", "responses", "response_mask", "response_text",
-                                "rollout_logp", "rollout_version", *turns))]
+    rollout = (*PROMPT_COLUMNS, "prompt_ids", "responses", "response_mask", "rollout_logp", "rollout_version")
+    if cfg.rollout.partial_tokens is None:
+        stages = [StageSpec(name="generate_rollouts", task="generate_rollouts", reads=(), engine=True, buffer="rollout",
+                            writes=(*rollout, "response_text", *turns))]
+    else:  # partial rollouts: the first rollout.partial_tokens tokens, then the rest with the next version
+        stages = [StageSpec(name="generate_rollouts", task="generate_rollouts", reads=(), engine=True,
+                            buffer="rollout_head", writes=(*rollout, "finished")),
+                  StageSpec(name="continue_rollouts", task="continue_rollouts", reads=(*rollout, "finished"),
+                            engine=True, buffer="rollout", writes=(*rollout, "response_text", "token_version"))]
     if spec.needs_baseline:  # ReMax: one greedy response per prompt, repeated over its group
         stages.append(StageSpec(name="generate_baseline", task="generate_baseline", reads=(), engine=True,
                                 buffer="baseline", writes=("baseline_responses", "baseline_response_mask",

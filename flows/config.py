@@ -196,6 +196,7 @@ class RLConfig(BaseModel):
                          "scales the overlong penalty: it needs reward.overlong_buffer_len > 0")
         self._check_safety()
         self._check_multi_turn()
+        self._check_partial(spec.needs_baseline)
         self._check_reward_model()
         if self.algorithm.filter_groups:
             self._check_dynamic_sampling(spec.name)
@@ -351,6 +352,23 @@ class RLConfig(BaseModel):
         elif algo.lagrange_init > algo.lagrange_max:
             raise _cross("algorithm.lagrange_init", algo.lagrange_init, f"must be at most algorithm.lagrange_max "
                          f"({algo.lagrange_max})")
+
+    def _check_partial(self, baseline: bool) -> None:
+        partial = self.rollout.partial_tokens
+        if partial is None:
+            return
+        if not self.trainer.max_staleness:
+            raise _cross("rollout.partial_tokens", partial, "continues responses with newer weights while they are "
+                         "generated: it needs the asynchronous schedule (trainer.max_staleness >= 1)")
+        if partial >= self.rollout.max_new_tokens:
+            raise _cross("rollout.partial_tokens", partial, f"must be below rollout.max_new_tokens "
+                         f"({self.rollout.max_new_tokens}): no response would continue")
+        for on, what in ((self.rollout.multi_turn.enable, "rollout.multi_turn.enable=true"),
+                         (self.algorithm.filter_groups, "algorithm.filter_groups=true"),
+                         (baseline, f"algorithm.adv_estimator={self.algorithm.adv_estimator}")):
+            if on:
+                raise _cross("rollout.partial_tokens", partial, f"is not built with {what} (partial rollouts are "
+                             "single-turn, one prompt batch an iteration, without a greedy baseline)")
 
     def _check_multi_turn(self) -> None:
         mt, rollout = self.rollout.multi_turn, self.rollout

@@ -7,7 +7,17 @@ and which weights each rollout uses is decided by the schedule, never by timing.
     iteration i starts  when iteration i-1-k is committed (its weights are in the rollout pool)
 
 So with k = 1 the rollout of i+1 runs on the rollout pool while i computes log-probs and updates on
-the training pool. Each iteration is still one `rl-iteration` flow run, run in its own thread here, so
+the training pool.
+
+Partial rollouts (rollout.partial_tokens = P) cut each rollout in two by token count, never by time:
+
+    first part of i     its first P tokens a response, with version max(0, i-1-k)
+    second part of i    the responses still going, on to rollout.max_new_tokens, with version max(0, i-k):
+                        it waits for the weight sync of iteration i-k
+    weight sync of i    waits for the first part of i+k and the second part of i+k-1 (both use version i-1)
+
+A version stays in the rollout pool until both are done with it, so at the commit of i the first parts
+up to i+k and the second parts up to i+k-1 are in storage, and a resume needs no older weights. Each iteration is still one `rl-iteration` flow run, run in its own thread here, so
 overlapping iterations overlap in the Prefect UI. When iteration i is committed, the rollouts up to
 i+k are in storage and the rollout pool holds version i: a run that stops or dies there resumes from a
 checkpoint without needing any older weights (the rollout buffers are reused, the pool is synced to i).
@@ -40,8 +50,11 @@ class Schedule:
     first: int  # the first iteration of this flow run (earlier ones are committed)
     last: int  # the last iteration this flow run commits (a stop request lowers it)
     total: int  # trainer.total_iterations
+    partial: bool = False  # rollout.partial_tokens: each rollout in two parts (below)
     committed: set[int] = field(default_factory=set)
-    rolled: set[int] = field(default_factory=set)  # iterations whose rollout stage has ended
+    rolled: set[int] = field(default_factory=set)  # iterations whose rollout stage (its first part) has ended
+    continued: set[int] = field(default_factory=set)  # partial rollouts: iterations whose second part has ended
+    synced: set[int] = field(default_factory=set)  # iterations whose weight sync has ended
     training: set[int] = field(default_factory=set)  # iterations past their wait for training
     errors: dict[int, BaseException] = field(default_factory=dict)
     abort: threading.Event = field(default_factory=threading.Event)
@@ -60,13 +73,24 @@ class Schedule:
             return True
 
     def before_sync(self, iteration: int) -> None:
-        """Wait until the rollout of iteration+k has ended (it needs the weights the sync replaces)."""
+        """Wait until the rollout of iteration+k has ended (it needs the weights the sync replaces); with
+        partial rollouts, its first part, and the second part of iteration+k-1's (both use them)."""
         later = iteration + self.k
         if later <= self.total:
             self._wait(lambda: later in self.rolled, f"the rollout of iteration {later}")
+        if self.partial and self.first <= later - 1 <= self.total:
+            self._wait(lambda: later - 1 in self.continued, f"the continued rollout of iteration {later - 1}")
 
-    def rollout_ended(self, iteration: int) -> None:
-        self._note(self.rolled, iteration)
+    def before_continue(self, iteration: int) -> None:
+        """Partial rollouts: wait until the rollout pool holds version iteration-k (its sync has ended; one
+        before this flow run's first iteration is there already: the engine was synced to it)."""
+        version = iteration - self.k
+        self._wait(lambda: version < self.first or version in self.synced, f"the weight sync of iteration {version}")
+
+    def ended(self, task: str, iteration: int) -> None:
+        """Stage `task` of `iteration` has ended (flows.train._on_end)."""
+        where = {"generate_rollouts": self.rolled, "continue_rollouts": self.continued, "sync_weights": self.synced}
+        self._note(where[task], iteration)
 
     def fail(self, iteration: int, err: BaseException) -> None:
         """Iteration `iteration` failed: every wait of the schedule stops (Aborted)."""

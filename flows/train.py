@@ -83,11 +83,13 @@ def rl_iteration(plan: RunPlan, iteration: int, kl_coef: float) -> dict[str, flo
                         break
                 if stage.task == "sync_weights":
                     schedule.before_sync(iteration)
+                if stage.task == "continue_rollouts":
+                    schedule.before_continue(iteration)
             inputs = {source: futures[source] for source in stage.inputs}
             futures[stage.name] = task_for(stage).submit(plan, iteration, stage, inputs, kl_coef,
                                                          wait_for=[futures[a] for a in stage.after])
-            if schedule is not None and stage.task == "generate_rollouts":
-                _on_rollout_end(schedule, iteration, futures[stage.name])
+            if schedule is not None and stage.task in _NOTED:
+                _on_end(schedule, iteration, futures[stage.name], stage.task)
             if plan.debug.kill_flow_after == stage.name:
                 futures[stage.name].result()
                 maybe_kill_flow(context(plan), stage.name, iteration)
@@ -119,22 +121,28 @@ def rl_iteration(plan: RunPlan, iteration: int, kl_coef: float) -> dict[str, flo
     return metrics
 
 
-ROLLOUT_TASKS = ("generate_rollouts", "generate_baseline")  # the stages that use the rollout pool
+# the stages that use the rollout pool
+ROLLOUT_TASKS = ("generate_rollouts", "continue_rollouts", "generate_baseline")
 PREFETCH = "stages/prefetch_only"
+# the stages whose end the asynchronous schedule waits for: the rollout (its first part with partial
+# rollouts), the rest of a partial rollout, a weight sync
+_NOTED = {"generate_rollouts": "the rollout", "continue_rollouts": "the continued rollout",
+          "sync_weights": "the weight sync"}
 
 
-def _on_rollout_end(schedule: pipeline.Schedule, iteration: int, future: Any) -> None:
-    """Tell the schedule when the rollout stage of `iteration` has ended: done, or failed (which aborts
-    the schedule: a weight sync waiting for this rollout must not wait forever)."""
+def _on_end(schedule: pipeline.Schedule, iteration: int, future: Any, task: str) -> None:
+    """Tell the schedule when stage `task` of `iteration` has ended: done, or failed (which aborts the
+    schedule: a weight sync waiting for this rollout, or a rollout waiting for this sync, must not wait
+    forever)."""
     def watch() -> None:
         future.wait()
         if future.state.is_completed():
-            schedule.rollout_ended(iteration)
+            schedule.ended(task, iteration)
         else:
-            schedule.fail(iteration, RuntimeError(f"the rollout of iteration {iteration} failed: "
+            schedule.fail(iteration, RuntimeError(f"{_NOTED[task]} of iteration {iteration} failed: "
                                                   f"{future.state.message}"))
 
-    threading.Thread(target=watch, name=f"rlflow-rollout-{iteration}", daemon=True).start()
+    threading.Thread(target=watch, name=f"rlflow-{task}-{iteration}", daemon=True).start()
 
 
 @dataclass
@@ -243,7 +251,7 @@ def run_async(trainer: Trainer, engine: Engine, last: int, committed: Any) -> En
     while True:
         first = (trainer.run.runs.last_finished_iteration() or 0) + 1
         schedule = pipeline.Schedule(trainer.plan.run_id, cfg.trainer.max_staleness, first, last,
-                                     cfg.trainer.total_iterations)
+                                     cfg.trainer.total_iterations, partial=cfg.rollout.partial_tokens is not None)
 
         def failed(err: BaseException, live: Engine = engine) -> None:
             if isinstance(err, (EngineDeadError, VersionMismatchError)):

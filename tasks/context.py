@@ -111,6 +111,10 @@ class StageContext:
         """The weights' version the rollout of `iteration` generates with, fixed by the schedule."""
         return max(0, iteration - 1 - self.plan.max_staleness)
 
+    def continue_version(self, iteration: int) -> int:
+        """Partial rollouts: the version the unfinished responses of `iteration` continue with (the next)."""
+        return max(0, iteration - self.plan.max_staleness)
+
     def prompt_batch(self, iteration: int) -> Batch:
         """Iteration k's prompts (the sampler's step k-1), each repeated rollout.n times in a group."""
         return self.prompts_at_step(iteration - 1)

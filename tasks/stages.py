@@ -182,9 +182,15 @@ def generate_rollouts(ctx: StageContext, iteration: int, stage: StageSpec, input
     """Iteration k's prompts, n sampled responses each, from the policy at version k-1."""
     version = ctx.rollout_version(iteration)
     start = time.perf_counter()
+    partial = ctx.plan.rollout.partial_tokens
     if ctx.plan.algorithm.filter_groups:
         batch, metrics = _dynamic_sampling(ctx, iteration, stage, version)
         tokens = metrics["perf/gen_tokens"]
+    elif partial is not None:  # the first part of partial rollouts: continue_rollouts samples the rest
+        batch = ctx.engine(stage.name).generate(ctx.prompt_batch(iteration), iteration=iteration,
+                                                expected_version=version, max_new_tokens=partial)
+        tokens = float(batch["response_mask"].sum())
+        metrics = {"async/partial_rows": float(1 - batch["finished"].float().mean())}
     else:
         batch = ctx.engine(stage.name).generate(ctx.prompt_batch(iteration), iteration=iteration,
                                                 expected_version=version)
@@ -201,6 +207,38 @@ def generate_rollouts(ctx: StageContext, iteration: int, stage: StageSpec, input
                     "async/rollout_version": float(version), "async/staleness": float(iteration - 1 - version)})
     get_run_logger().info("iteration %d: generated %d responses in %.2f s with the weights of version %d",
                           iteration, len(batch), gen_s, version)
+    return _write(ctx, iteration, stage, batch, metrics)
+
+
+@graph_stage("continue_rollouts")
+def continue_rollouts(ctx: StageContext, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                      kl_coef: float) -> StageResult:
+    """Partial rollouts (rollout.partial_tokens): the responses generate_rollouts left unfinished go on
+    from where they stopped with the weights of version max(0, i-k), which the schedule synced in while
+    they waited (flows/pipeline.py), up to rollout.max_new_tokens in all. Each token's version is kept
+    (`token_version` [B, T]); its behaviour log-prob is that version's, so the rollout correction weighs
+    every token by the weights that sampled it."""
+    from engine.rollout.partial import continuation_prompts, join_parts
+
+    head = _inputs(ctx, stage, inputs)
+    version = ctx.continue_version(iteration)
+    first, total = head["responses"].shape[1], ctx.plan.rollout.max_new_tokens
+    going = continuation_prompts(head)
+    start = time.perf_counter()
+    tail = None
+    if len(going):
+        tail = ctx.engine(stage.name).generate(going, iteration=iteration, expected_version=version, part=1,
+                                               max_new_tokens=total - first)
+    gen_s = time.perf_counter() - start
+    batch = join_parts(head, tail, total, int(ctx.tokenizer.pad_token_id), version)
+    batch = batch.with_columns(response_text=response_texts(ctx.tokenizer, batch))
+    mask = batch["response_mask"]
+    later = float(mask[:, first:].sum())
+    metrics = {"timing_s/gen_continue": gen_s, "async/continue_version": float(version),
+               "async/continued_token_fraction": later / max(1.0, float(mask.sum())),
+               "perf/gen_tokens": float(mask.sum())}
+    get_run_logger().info("iteration %d: continued %d of %d responses in %.2f s with the weights of version %d "
+                          "(%d tokens after the first %d)", iteration, len(going), len(head), gen_s, version, int(later), first)
     return _write(ctx, iteration, stage, batch, metrics)
 
 

@@ -388,6 +388,29 @@ def test_multi_turn_and_reward_model_settings_outside_their_mode_are_refused(ove
         assert build_config(json.loads(json.dumps(cfg.public_dict()))).config_hash() == cfg.config_hash()
 
 
+ASYNC = ("placement.mode=split", "trainer.max_staleness=1", "rollout.max_new_tokens=8")
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["rollout.partial_tokens=4"], "rollout.partial_tokens=4 is not allowed: continues responses with newer weights "
+                                   "while they are generated: it needs the asynchronous schedule"),
+    ([*ASYNC, "rollout.partial_tokens=8"], "rollout.partial_tokens=8 is not allowed: must be below "
+                                           "rollout.max_new_tokens (8)"),
+    ([*ASYNC, "rollout.partial_tokens=4", "algorithm.adv_estimator=remax"],
+     "rollout.partial_tokens=4 is not allowed: is not built with algorithm.adv_estimator=remax"),
+    ([*ASYNC, "rollout.partial_tokens=4", "algorithm.filter_groups=true"],
+     "rollout.partial_tokens=4 is not allowed: is not built with algorithm.filter_groups=true"),
+    ([*ASYNC, "rollout.partial_tokens=4", "rollout.multi_turn.enable=true",
+      "rollout.multi_turn.tools=engine.rollout.builtin_tools:calculator"],
+     "rollout.partial_tokens=4 is not allowed: is not built with rollout.multi_turn.enable=true"),
+])
+def test_partial_rollouts_outside_their_mode_are_refused(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)) as err:
+        load_config(None, list(overrides))
+    assert "\n" not in str(err.value)
+    assert load_config(None, [*ASYNC, "rollout.partial_tokens=4"]).rollout.partial_tokens == 4
+
+
 ENV = ("rollout.multi_turn.enable=true", "rollout.env=engine.rollout.builtin_envs:GuessNumber")
 AGENT = ("rollout.multi_turn.enable=true", "rollout.agent=engine.rollout.builtin_agents:guess_number")
 

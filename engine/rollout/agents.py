@@ -337,7 +337,8 @@ def completion(tokenizer: Any, session: AgentSession, model: Any, ids: list[int]
 class AgentEpisodes(EnvEpisodes):
     """rollout.agent as the other side of engine.rollout.multi_turn's loop: one AgentSession per row. It
     fills the columns an environment's episodes do (EnvEpisodes: env_reward, env_errors, env_steps: the
-    calls answered, env_prompt: the first call's messages, env_error)."""
+    turns the agent took up, by its next call or its return, as an environment's steps; env_prompt: the
+    first call's messages, env_error)."""
 
     def __init__(self, tokenizer: Any, ref: str, limits: EnvLimits, *, width: int, error_reward: float,
                  seeds: list[int], sampling: Sampling, readable: Sequence[str] = ()) -> None:
@@ -417,7 +418,6 @@ class AgentEpisodes(EnvEpisodes):
             agent.respond(200, completion(self.tokenizer, agent, body.get("model"), new, lp, finish,
                                           request.logprobs, self.context[r]))
             agent.calls += 1
-            self.steps[r] += 1
             agent.replied = str(self.tokenizer.decode(new, skip_special_tokens=True))
             self.context[r] += len(new)
         replies = []
@@ -425,6 +425,8 @@ class AgentEpisodes(EnvEpisodes):
             agent = self.agents[r]
             waited = agent.wait(f"its call {agent.calls + 1} or its return") if not agent.failed else None
             event = self._continued(r, waited, end, go) if isinstance(waited, Call) else waited
+            if isinstance(event, (tuple, float)):  # the turn is taken: a step, as an environment's answer is
+                self.steps[r] += 1
             if isinstance(event, tuple):  # the episode goes on: the model reads the new messages
                 text, said = event
                 replies.append(Reply(text, [dict(m) for m in said]))

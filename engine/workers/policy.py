@@ -132,14 +132,15 @@ class PolicyWorker(RankWorker):
     # -- generation ---------------------------------------------------------------------------------
     @traced
     def generate(self, prompts: Batch, *, iteration: int, expected_version: int | None, do_sample: bool = True,
-                 draw: int = 0) -> Batch:
+                 draw: int = 0, part: int = 0, max_new_tokens: int | None = None) -> Batch:
         """prompts: `input_ids`, `attention_mask` [B, P] left padded -> the batch with the response columns."""
         self.check_version(expected_version)
         with self._generating():
             return generate_batch(self.rollout, prompts, self.spec.rollout, seed=self.spec.seed, iteration=iteration,
                                   rank=self.rank, do_sample=do_sample, version=self.version, draw=draw,
                                   tokenizer=self.tokenizer, tools=self.tools,
-                                  isolation=self.spec.sandbox_isolation, prompt_width=self.spec.max_prompt_length)
+                                  isolation=self.spec.sandbox_isolation, prompt_width=self.spec.max_prompt_length,
+                                  part=part, max_new_tokens=max_new_tokens)
 
     @contextmanager
     def _generating(self) -> Iterator[None]:
@@ -455,13 +456,18 @@ class PolicyWorker(RankWorker):
 def generate_batch(rollout: Any, prompts: Batch, cfg: RolloutConfig, *, seed: int, iteration: int, rank: int,
                    do_sample: bool, version: int, draw: int = 0, tokenizer: Any = None,
                    tools: dict[str, Any] | None = None, isolation: Literal["bwrap", "none"] = "bwrap",
-                   prompt_width: int = 1024) -> Batch:
+                   prompt_width: int = 1024, part: int = 0, max_new_tokens: int | None = None) -> Batch:
     """Responses to `prompts` in micro-batches of cfg.micro_batch_size, each sampled with a seed derived
     from (run seed, iteration, stage, draw, micro-batch, rank); the first draw's seeds leave the draw out. Adds `prompt_ids`, `responses`, `response_mask`,
     the full `input_ids` / `attention_mask` [B, P+T], the behaviour log-probs `rollout_logp` [B, T] and
-    `rollout_version` [B] (the weights' version)."""
-    params = SamplingParams(cfg.max_new_tokens, do_sample, cfg.temperature, cfg.top_p, cfg.top_k)
-    stage = ("rollout" if do_sample else "rollout_greedy") + (f"/draw{draw}" if draw else "")
+    `rollout_version` [B] (the weights' version).
+
+    Partial rollouts (rollout.partial_tokens): `max_new_tokens` bounds this call instead of the config's,
+    and the batch gains `finished` [B] (the response ended with a stop token); `part` 1 is the call that
+    continues responses (its prompts are the first part's sequences), a seed stage of its own."""
+    params = SamplingParams(max_new_tokens or cfg.max_new_tokens, do_sample, cfg.temperature, cfg.top_p, cfg.top_k)
+    stage = ("rollout" if do_sample else "rollout_greedy") + (f"/draw{draw}" if draw else "") + \
+        (f"/part{part}" if part else "")
     if cfg.episodes is not None:  # assistant -> environment or agent -> assistant (engine/rollout/envs.py, agents.py)
         mt = cfg.multi_turn
         limits = EnvLimits(mt.env_step_timeout_s, mt.env_memory_mb, isolation, mt.env_rollout_timeout_s)
@@ -484,7 +490,12 @@ def generate_batch(rollout: Any, prompts: Batch, cfg: RolloutConfig, *, seed: in
         outs.append(rollout.generate(micro["input_ids"], micro["attention_mask"], params, micro_seed))
     responses = torch.cat([o.responses for o in outs])  # [B, T]
     response_mask = torch.cat([o.response_mask for o in outs])  # [B, T]
-    return prompts.with_tensors(
+    finished = {}
+    if max_new_tokens is not None:  # ended within the call: before its last token, or with a stop token there
+        last = responses[:, -1]
+        stops = torch.tensor(sorted(rollout.stop_ids), dtype=last.dtype)
+        finished["finished"] = ((response_mask.sum(dim=1) < responses.shape[1]) | torch.isin(last, stops)).long()
+    return prompts.with_tensors(**finished,
         prompt_ids=prompts["input_ids"],
         input_ids=torch.cat([prompts["input_ids"], responses], dim=1),  # [B, P+T]
         attention_mask=torch.cat([prompts["attention_mask"], response_mask], dim=1),  # [B, P+T]

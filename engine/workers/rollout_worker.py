@@ -54,13 +54,13 @@ class RolloutWorker(RankWorker):
 
     @traced
     def generate(self, prompts: Batch, *, iteration: int, expected_version: int | None, do_sample: bool = True,
-                 draw: int = 0) -> Batch:
+                 draw: int = 0, part: int = 0, max_new_tokens: int | None = None) -> Batch:
         """As PolicyWorker.generate, from this rank's copy at `expected_version`."""
         self.check_version(expected_version)
         return generate_batch(self.rollout, prompts, self.spec.rollout, seed=self.spec.seed, iteration=iteration,
                               rank=self.rank, do_sample=do_sample, version=self.version, draw=draw,
                               tokenizer=self.tokenizer, tools=self.tools, isolation=self.spec.sandbox_isolation,
-                              prompt_width=self.spec.max_prompt_length)
+                              prompt_width=self.spec.max_prompt_length, part=part, max_new_tokens=max_new_tokens)
 
     # -- weights -----------------------------------------------------------------------------------
     def join_sync_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:

@@ -137,3 +137,34 @@ def test_no_stop_token_fills_the_length_and_an_empty_batch_is_empty(loaded) -> N
     assert out.responses.shape == (3, 6) and bool(out.response_mask.all())
     empty = never.generate(ids[:0], mask[:0], SamplingParams(max_new_tokens=6), seed=0)
     assert empty.responses.shape == (0, 6)
+
+
+def test_a_response_in_two_parts_is_the_response_in_one(loaded) -> None:  # noqa: ANN001
+    """Partial rollouts: greedy with the same weights, P tokens then the rest from the first part's
+    sequences (engine.rollout.partial) gives the one-call response, token for token (log-probs within
+    float noise: other KV-cache shapes); `finished` marks the rows that ended in the first part, a stop
+    token as their last token included; `token_version` is each part's version."""
+    from engine.batch import Batch
+    from engine.config import RolloutConfig
+    from engine.rollout.partial import continuation_prompts, join_parts
+    from engine.workers.policy import generate_batch
+
+    model, tok, rollout, ids, mask = loaded
+    cfg = RolloutConfig(max_new_tokens=12)
+    prompts = Batch({"input_ids": ids, "attention_mask": mask}, {})
+    kwargs = {"seed": 0, "iteration": 1, "rank": 0, "do_sample": False}
+    whole = generate_batch(rollout, prompts, cfg, version=3, **kwargs)
+    lengths = whole["response_mask"].sum(dim=1)
+    first = int(lengths.min())  # the shortest response ends with its stop token as the first part's last
+    head = generate_batch(rollout, prompts, cfg, version=3, max_new_tokens=first, **kwargs)
+    assert head["finished"].tolist() == (lengths <= first).long().tolist()
+    assert 0 < int(head["finished"].sum()) < len(head)  # some rows end in the first part, some go on
+    tail = generate_batch(rollout, continuation_prompts(head), cfg, version=4, part=1, max_new_tokens=12 - first, **kwargs)
+    joined = join_parts(head, tail, 12, int(tok.pad_token_id), version=4)
+    for key in ("responses", "response_mask", "input_ids", "attention_mask", "prompt_ids"):
+        assert torch.equal(joined[key], whole[key]), key
+    assert torch.allclose(joined["rollout_logp"], whole["rollout_logp"], atol=1e-5)
+    on = joined["response_mask"].bool()
+    want = torch.where(torch.arange(12) < first, 3, 4).expand_as(on)
+    assert torch.equal(joined["token_version"][on], want[on]) and bool((joined["token_version"][~on] == 0).all())
+    assert "finished" not in joined

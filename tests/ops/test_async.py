@@ -4,8 +4,13 @@ rank), trainer.max_staleness = k.
 - k = 0 on the split pools gives the on-policy loop's weights bit for bit (colocated, 1 rank, with a
   rollout copy: the same ranks' seeds, the same weights reaching the generator by another path).
 - k = 1: the rollout of each iteration uses the version the schedule fixes (0, 0, 1, 2), rollouts
-  overlap updates in the run's timeline, and a run whose flow process and engine die mid-run resumes
-  to the uninterrupted run's weights bit for bit, keeping every complete buffer.
+  overlap updates in the run's timeline.
+- k = 1 with partial rollouts (rollout.partial_tokens=4 of 8): the first 4 tokens of each response come
+  from the version above, the rest from the next (0, 1, 2, 3), token by token in `token_version`; the
+  continued tokens' importance weights are 1 (their behaviour policy is the one the update starts from),
+  the first part's are not; each continuation starts after the weight sync it needs. A run whose flow
+  process and engine die mid-run resumes to the uninterrupted run's weights bit for bit, keeping every
+  complete buffer.
 - A failed stage of an asynchronous iteration: the run goes on from where it stopped, reusing the
   iteration's finished stages.
 """
@@ -27,6 +32,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 KILL_AFTER_UPDATE_3 = ("debug.kill_flow_after=update_policy", "debug.kill_iteration=3")
 ITERATIONS = 4
 SPLIT = ("placement.mode=split", "trainer.world_size=1", "placement.rollout_ranks=1", "placement.cpus_per_rank=1")
+PARTIAL = ("trainer.max_staleness=1", "rollout.partial_tokens=4")
 
 
 def args(model: Path, root: Path, run_id: str, *extra: str) -> list[str]:
@@ -62,6 +68,15 @@ def reference(cli: Cli, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathF
     proc = cli("train", *args(tiny_model_dir, root, "async-ref", *SPLIT, "trainer.max_staleness=1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {"root": root, "weights": weights(root, "async-ref"), "metrics": metrics(root, "async-ref")}
+
+
+@pytest.fixture(scope="module")
+def partial(warm_cli: WarmCli, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """An uninterrupted asynchronous run (k = 1) with partial rollouts."""
+    root = tmp_path_factory.mktemp("async-partial")
+    proc = warm_cli("train", *args(tiny_model_dir, root, "async-partial", *SPLIT, *PARTIAL))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {"root": root, "weights": weights(root, "async-partial"), "metrics": metrics(root, "async-partial")}
 
 
 def test_k0_on_split_pools_equals_the_on_policy_loop(warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -112,16 +127,49 @@ def test_async_rollouts_use_the_scheduled_versions_and_overlap_updates(reference
         assert spans[(i, "sync_weights")][0] >= spans[(i + 1, "generate_rollouts")][1]
 
 
+def test_partial_rollouts_continue_with_the_next_version(partial: dict) -> None:
+    from engine.batch import Batch
+
+    lines = partial["metrics"]
+    assert [m["async/rollout_version"] for m in lines] == [0, 0, 1, 2]  # max(0, i - 1 - k)
+    assert [m["async/continue_version"] for m in lines] == [0, 1, 2, 3]  # max(0, i - k)
+    continued = 0
+    for i, m in enumerate(lines, start=1):
+        folder = partial["root"] / "async-partial" / "buffers" / f"iter_{i:06d}"
+        rollout = Batch.from_parquet(str(folder / "rollout.parquet"))
+        old = Batch.from_parquet(str(folder / "old_logprob.parquet"))
+        mask, version = rollout["response_mask"].bool(), rollout["token_version"]
+        head, tail = mask.clone(), mask.clone()
+        head[:, 4:], tail[:, :4] = False, False
+        assert bool((version[head] == max(0, i - 2)).all()) and bool((version[tail] == max(0, i - 1)).all())
+        assert bool((version[~mask] == 0).all())
+        continued += int(tail.sum())
+        # the importance weights of the continued tokens are 1: the weights that sampled them are the
+        # ones the update starts from; the first part's show the version gap
+        w = torch.exp(old["old_logp"].double() - rollout["rollout_logp"].double())
+        assert float((w[tail] - 1).abs().max()) < 1e-4, i
+        if i > 1:
+            assert float((w[head] - 1).abs().max()) > 1e-3, i
+        assert m["rollout_corr/is_weight_mean"] == pytest.approx(float(w[mask].mean()), rel=1e-5, abs=1e-6), i
+    assert continued > 0
+    events = json.loads((partial["root"] / "async-partial" / "trace" / "timeline.json").read_text())["traceEvents"]
+    spans = {(e["args"]["iteration"], e["name"]): (e["ts"], e["ts"] + e["dur"])
+             for e in events if e["ph"] == "X" and e["pid"] == 1}
+    for i in range(1, ITERATIONS):  # version i reaches the pool after the first part of i + 1, before its rest
+        assert spans[(i + 1, "generate_rollouts")][1] <= spans[(i, "sync_weights")][0]
+        assert spans[(i, "sync_weights")][1] <= spans[(i + 1, "continue_rollouts")][0]
+
+
 def test_failed_then_killed_async_run_resumes_like_the_uninterrupted_one(cli: Cli, warm_cli: WarmCli,
                                                                         tiny_model_dir: Path, tmp_path: Path,
-                                                                        reference: dict) -> None:
+                                                                        partial: dict) -> None:
     """One run carries both faults. compute_advantages of iteration 3 fails past its retries: the run fails
     with iteration 2 committed (and the rollout of 4, which overlapped, in storage). Run again, it reuses
     iteration 3's finished stages, and the flow process dies right after the update of iteration 3, its
     engine with it (a lost machine): the second resume starts a new engine, replays iterations 1-2 from
     their buffers (no checkpoint yet), gives the rollout pool version 2, and goes on to the uninterrupted
     run's weights. No complete buffer is ever rewritten."""
-    failed = cli("train", *args(tiny_model_dir, tmp_path, "async-fail", *SPLIT, "trainer.max_staleness=1",
+    failed = cli("train", *args(tiny_model_dir, tmp_path, "async-fail", *SPLIT, *PARTIAL,
                                 "debug.fail_stage=compute_advantages", "debug.fail_times=3",
                                 "debug.fail_iteration=3"))
     assert failed.returncode != 0 and failed.returncode != -signal.SIGKILL, failed.stderr[-3000:]
@@ -145,8 +193,9 @@ def test_failed_then_killed_async_run_resumes_like_the_uninterrupted_one(cli: Cl
     assert all(after[k] == v for k, v in after_kill.items())  # every complete buffer kept, none rewritten
     line = metrics(tmp_path, "async-fail")[2]
     assert line["stages/reused"] >= 3  # rollout, reward, old log-probs of iteration 3
-    assert_equal_weights(weights(tmp_path, "async-fail"), reference["weights"])
+    assert_equal_weights(weights(tmp_path, "async-fail"), partial["weights"])
     assert [m["async/rollout_version"] for m in metrics(tmp_path, "async-fail")] == [0, 0, 1, 2]
+    assert [m["async/continue_version"] for m in metrics(tmp_path, "async-fail")] == [0, 1, 2, 3]
 
 
 def metrics_done(root: Path, run_id: str) -> list[int]:

@@ -1,9 +1,12 @@
 """Retry of a failed deployed run by pressing the real button in the real Prefect UI in headless
 Chromium, logged in on the UI's login page with the stack's auth string (where Chromium is missing: through the API call the button makes,
 `set_flow_run_state(id, AwaitingRetry())`). The flow runs again, every finished stage of the failed iteration comes
-back `Cached` (its buffer untouched), the live engine carries on, and the run completes. After the UI
-retry, the completed run's pages as Chromium renders them: the summary's charts, no pile of per-iteration
-tables on the run's page, and the user's own stage among the iteration's task runs.
+back `Cached` (its buffer untouched), the live engine carries on, and the run completes. The run's
+rollouts are an agent's episodes (rollout.agent: engine.rollout.builtin_agents:guess_number, written
+against the openai client), so Retry is shown with an agent: its episodes are not played again. After the
+UI retry, the completed run's pages as Chromium renders them: the summary's charts, no pile of
+per-iteration tables on the run's page, the user's own stage among the iteration's task runs, and the
+iteration's episodes table.
 
 Chromium: Debian's, at /usr/bin/chromium (.ci/run installs it). Without it these tests say so in one
 line and are skipped, except where RLFLOW_UI_TESTS=required (CI), where they fail."""
@@ -20,6 +23,7 @@ import pytest
 from tasks.stages import RETRIES
 from tests.ops.conftest import (
     NEVER,
+    REWARD,
     Server,
     flow_logs,
     run_args,
@@ -39,6 +43,10 @@ FAULT = ["debug.fail_stage=update_policy", f"debug.fail_times={RETRIES + 1}", "d
 # The runs train LoRA adapters: Retry of a LoRA run (full fine-tuning's Retry is the same flow path).
 LORA = ["actor.lora.rank=4", "actor.lora.alpha=8"]
 STAGE = f"algorithm.extra_stages={Path(__file__).resolve().parents[1] / 'pipeline' / 'stages.py'}:brevity"
+# An agent plays the rollouts (its reward replaces the rule's): 4 prompts x 4 episodes, two turns each.
+AGENT = ["rollout.multi_turn.enable=true", "rollout.agent=engine.rollout.builtin_agents:guess_number",
+         "rollout.multi_turn.max_turns=2", "rollout.max_new_tokens=24", "data.max_prompt_length=32",
+         "data.train_batch_size=4", "rollout.n=4"]
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -67,8 +75,9 @@ def server(cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path, root: Path, tmp_pa
     """The deployment of a failing run that the module's one running test retries (retry-ui where Chromium
     is here, else retry-api), served for the module."""
     name = "retry-ui" if Path(CHROMIUM).exists() else "retry-api"
-    proc = warm_cli("deploy", *run_args(tiny_model_dir, root, "trainer.iterations_per_run=2", STAGE, *FAULT, *LORA),
-                    "--name", name, "--cron", NEVER)
+    args = [a for a in run_args(tiny_model_dir, root, "trainer.iterations_per_run=2", STAGE, *FAULT, *LORA, *AGENT)
+            if a != REWARD]
+    proc = warm_cli("deploy", *args, "--name", name, "--cron", NEVER)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with serving(cli, [name], tmp_path_factory.mktemp("serve-home")) as served:
         yield served
@@ -197,7 +206,8 @@ def artifact_links(page: Any) -> list[str]:
 def assert_rendered_run(page: Any, ui: str, train_run: Any, iteration: Any, shots: Path) -> None:
     """The run's Artifacts tab lists its summary, progress and checkpoint links, not a table per
     iteration; the summary page shows its charts as decoded images (summary.png); the iteration's
-    page holds its metrics table and the user's `brevity` stage among its task runs (iteration.png)."""
+    page holds its metrics table and the user's `brevity` stage among its task runs (iteration.png),
+    and its episodes table shows the agent's turns (episodes.png)."""
     page.goto(f"{ui}/runs/flow-run/{train_run.id}", wait_until="networkidle")
     page.get_by_text("Artifacts", exact=True).first.click()
     page.get_by_text("summary").first.wait_for(timeout=30_000)
@@ -220,4 +230,11 @@ def assert_rendered_run(page: Any, ui: str, train_run: Any, iteration: Any, shot
     page.screenshot(path=str(shots / "iteration.png"))
     page.get_by_text("Artifacts", exact=True).first.click()
     page.get_by_text(f"{train_run.name}-metrics").first.wait_for(timeout=30_000)
-    assert len(set(artifact_links(page))) == 1
+    page.get_by_text(f"{train_run.name}-episodes").first.wait_for(timeout=30_000)
+    links = sorted(set(artifact_links(page)))
+    assert len(links) == 2, links  # the metrics and the episodes
+    episodes = next(link for link in links if page.goto(link, wait_until="networkidle") and
+                    page.get_by_text(f"{train_run.name}: the episodes of iteration 2").count())
+    page.get_by_text("assistant: ").first.wait_for(timeout=30_000)  # the table's turns, as rendered
+    assert page.get_by_role("columnheader", name="observation_tokens").count() == 1, episodes
+    page.screenshot(path=str(shots / "episodes.png"), full_page=True)

@@ -116,6 +116,7 @@ EFFECTS: dict[str, Run | Refused | AtStart | Shown] = {
     "rollout.top_p": Shown("tests/engine/test_rollout.py::test_top_k_and_top_p_renormalise_over_the_kept_tokens"),
     "rollout.top_k": Shown("tests/engine/test_rollout.py::test_top_k_and_top_p_renormalise_over_the_kept_tokens"),
     "rollout.max_new_tokens": Run("6"),
+    "rollout.partial_tokens": Shown("tests/ops/test_async.py::test_partial_rollouts_continue_with_the_next_version"),
     "rollout.val_do_sample": Run("false", "val"),
     "rollout.micro_batch_size": Run("3"),
     "rollout.weights": Run("copy"),
