@@ -47,7 +47,7 @@ from infra.errors import IntegrityError
 from tasks.context import RunPlan, context
 from tasks.faults import maybe_kill_flow
 from tasks.runner import StageTaskRunner
-from tasks.stages import StageResult, save_checkpoint, task_for, validate
+from tasks.stages import StageResult, episodes_table, save_checkpoint, task_for, validate
 
 log = logging.getLogger("rlflow.train")
 
@@ -102,6 +102,10 @@ def rl_iteration(plan: RunPlan, iteration: int, kl_coef: float) -> dict[str, flo
             spans.add(iteration, name, *result.span)
     if reused:
         get_run_logger().info("iteration %d: reused %s (no regeneration)", iteration, ", ".join(reused))
+    if plan.rollout.episodes is not None and (ref := results["generate_rollouts"].ref) is not None:
+        # the episodes' table on this iteration's flow run, made here so that a rollout reused from an
+        # earlier attempt (Retry: its task comes back Cached and runs nothing) shows it too
+        episodes_table(plan.run_id, iteration, read_buffer(context(plan).store, ref))
     if prefetch:
         get_run_logger().info("iteration %d: rollout prefetched for the next flow run (stages %s)", iteration,
                               ", ".join(futures))

@@ -201,8 +201,7 @@ def generate_rollouts(ctx: StageContext, iteration: int, stage: StageSpec, input
     if "tool_calls" in batch:
         metrics.update(tool_metrics(batch, "tools"))
     if "env_errors" in batch:
-        metrics.update(env_metrics(batch, "env"))
-        episodes_table(ctx.plan.run_id, iteration, batch)
+        metrics.update(env_metrics(batch, "env"))  # its table: flows.train.rl_iteration (a reused rollout's too)
     metrics.update({"timing_s/gen": gen_s, "perf/gen_tokens": tokens, "perf/gen_tokens_per_s": tokens / gen_s,
                     "async/rollout_version": float(version), "async/staleness": float(iteration - 1 - version)})
     get_run_logger().info("iteration %d: generated %d responses in %.2f s with the weights of version %d",

@@ -43,10 +43,11 @@ FAULT = ["debug.fail_stage=update_policy", f"debug.fail_times={RETRIES + 1}", "d
 # The runs train LoRA adapters: Retry of a LoRA run (full fine-tuning's Retry is the same flow path).
 LORA = ["actor.lora.rank=4", "actor.lora.alpha=8"]
 STAGE = f"algorithm.extra_stages={Path(__file__).resolve().parents[1] / 'pipeline' / 'stages.py'}:brevity"
-# An agent plays the rollouts (its reward replaces the rule's): 4 prompts x 4 episodes, two turns each.
+# An agent plays the rollouts (its reward replaces the rule's): 4 prompts x 4 episodes, two turns each;
+# two optimizer steps an iteration (so the old log-prob pass runs).
 AGENT = ["rollout.multi_turn.enable=true", "rollout.agent=engine.rollout.builtin_agents:guess_number",
          "rollout.multi_turn.max_turns=2", "rollout.max_new_tokens=24", "data.max_prompt_length=32",
-         "data.train_batch_size=4", "rollout.n=4"]
+         "data.train_batch_size=4", "rollout.n=4", "actor.mini_batch_size=8", "actor.micro_batch_size=8"]
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
