@@ -68,7 +68,7 @@ REPORT_FILE = "rlflow_tiny.json"
 # the val split (seeds 0/1/2 — arith: 19.9/11.7/18.8 %, sort: 47.7/25.4/12.5 %, countdown:
 # 49.6/44.9/23.4 %). Sort is learned within ~100 steps and countdown jumps from 0 to ~40 % between
 # 150 and 250 steps, so their warm starts stop early.
-DEFAULT_STEPS = {"arith": 800, "sort": 45, "countdown": 350, "calc": 600, "guess": 50}
+DEFAULT_STEPS = {"arith": 800, "sort": 45, "countdown": 350, "calc": 600, "guess": 80}
 FALLBACK_STEPS = 800  # a task added later without its own tuning
 BATCH_SIZE = 64
 LR = 3e-3
