@@ -71,10 +71,12 @@ def pinned_here(env: dict[str, str]) -> bool:
 
 
 def run_module_pinned(module: str, argv: list[str], env: dict[str, str], what: str,
-                      on_line: Callable[[str], object] | None = None) -> None:
+                      on_line: Callable[[str], object] | None = None,
+                      exit_errors: dict[int, type[Exception]] | None = None) -> None:
     """`python -m module *argv` in a new process whose kernels `env` pins (kernel_env; empty: the
     native ones) in place of this one's, with this checkout importable; its stdout lines go to
-    `on_line`. Raises RLFlowError("`what` failed: <its last error line>") when it fails."""
+    `on_line`. Raises RLFlowError("`what` failed: <its last error line>") when it fails, or the error
+    `exit_errors` names for its exit code, with its last error line (a failure the caller tells apart)."""
     child_env = {key: value for key, value in os.environ.items() if key not in AVX2_ENV}
     child_env.update(env)
     root = str(Path(__file__).resolve().parents[1])  # the checkout: engine/cpu_kernels.py
@@ -91,4 +93,6 @@ def run_module_pinned(module: str, argv: list[str], env: dict[str, str], what: s
         stderr = errors.read()
     if returncode != 0:
         last = (stderr.strip().splitlines() or ["(no output)"])[-1]
+        if exit_errors and returncode in exit_errors:
+            raise exit_errors[returncode](last)
         raise RLFlowError(f"{what} failed: {last}")

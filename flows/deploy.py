@@ -220,6 +220,7 @@ def _export_policy(base: BaseCheckpoint, store: ObjectStore, tmp: Path, trust_re
     that computes like the parent's ranks: their CPU kernels and torch threads. The parent's merged
     export of the step was computed there, and the new run starts from exactly those weights."""
     from engine.cpu_kernels import kernel_env, run_module_pinned
+    from engine.state.checkpoint_io import CheckpointCorruptError
     from flows.plan import rank_threads
 
     config = RunStore(store, base.run_id).read_run_info()["config"]
@@ -231,7 +232,11 @@ def _export_policy(base: BaseCheckpoint, store: ObjectStore, tmp: Path, trust_re
     CheckpointStore(store, base.run_id).fetch(base.step, str(tmp / "ckpt"))  # verifies every file
     (tmp / "parent.json").write_text(json.dumps(config))
     run_module_pinned("flows.deploy", [str(tmp), str(rank_threads(parent)), str(trust_remote_code)],
-                      kernel_env(parent.placement.cpu_kernels), f"making the model of base checkpoint {base.url}")
+                      kernel_env(parent.placement.cpu_kernels), f"making the model of base checkpoint {base.url}",
+                      exit_errors={CORRUPT_EXIT: CheckpointCorruptError})
+
+
+CORRUPT_EXIT = 3  # merge_policy's exit code when the safe reader refused the checkpoint
 
 
 def merge_policy(tmp: Path, threads: int, trust_remote_code: bool) -> None:
@@ -399,4 +404,10 @@ def serve_deployments(names: list[str] | None = None, limit: int | None = None) 
 
 
 if __name__ == "__main__":  # python -m flows.deploy TMP THREADS TRUST_REMOTE_CODE: merge_policy's process
-    merge_policy(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "True")
+    from engine.state.checkpoint_io import CheckpointCorruptError
+
+    try:
+        merge_policy(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "True")
+    except CheckpointCorruptError as err:
+        print(err, file=sys.stderr)
+        sys.exit(CORRUPT_EXIT)
