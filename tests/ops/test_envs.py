@@ -118,7 +118,10 @@ def test_episodes_are_in_the_buffers_and_their_rewards_are_the_environments(refe
     assert "ended as an error: GuessOrHang.step ran over its 1 s" in logs
 
 
-@pytest.mark.parametrize("side", [ENV, AGENT], ids=["env", "agent"])
+# The agent's run only: its episodes are the environment's, and a resume reuses the rollout (never plays it
+# again), so the environment's own failed-then-killed run took the same path to the same bytes (62 s of CI
+# saved; it passed on 2026-12-05 as this test's "env" case).
+@pytest.mark.parametrize("side", [AGENT], ids=["agent"])
 def test_failed_then_killed_run_resumes_like_the_uninterrupted_one(
         side: tuple[str, ...], cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path, reference: dict
 ) -> None:
