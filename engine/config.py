@@ -80,12 +80,14 @@ class MultiTurnConfig(Section):
     tool_memory_mb: int = Field(512, gt=0, description="address-space cap of the process a tool call runs in")
     max_tool_response_chars: int = Field(256, gt=0, description="an observation longer than this is cut")
     env_step_timeout_s: float = Field(10.0, gt=0, description="rollout.env: wall clock of the environment's init "
-                                      "and of each step; past it the episode ends as an error")
-    env_memory_mb: int = Field(512, gt=0, description="rollout.env: address-space cap of an episode's "
-                               "environment process")
-    env_error_reward: float = Field(0.0, description="rollout.env: the reward of an episode that ended as an "
-                                    "error (the environment raised, hung, ran out of memory or answered wrongly)")
-    env_rollout_timeout_s: float | None = Field(None, gt=0, description="rollout.env: wall clock of all the "
+                                      "and of each step (rollout.agent: from each answer to the agent's next call "
+                                      "or return); past it the episode ends as an error")
+    env_memory_mb: int = Field(512, gt=0, description="rollout.env, rollout.agent: address-space cap of an "
+                               "episode's environment or agent process")
+    env_error_reward: float = Field(0.0, description="rollout.env, rollout.agent: the reward of an episode that "
+                                    "ended as an error (the environment or agent raised, hung, ran out of memory or "
+                                    "answered wrongly)")
+    env_rollout_timeout_s: float | None = Field(None, gt=0, description="rollout.env, rollout.agent: wall clock of all the "
                                                 "episodes of one rollout on a rank; past it, each episode still "
                                                 "waiting on its environment ends as an error, and the rollout's log "
                                                 "names them (a cut by time: a replay may cut elsewhere); None: none")
