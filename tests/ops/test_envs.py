@@ -6,10 +6,10 @@ iterations of GRPO; the agent is the same game written against the openai client
   response mask; the reward stage's score is the environment's, and its token scores put each step's
   reward at its turn's last token; hung episodes are errors with the configured reward, each with its
   reason in the buffer and counted in the metrics, and the iteration goes on.
-- A stage failing past its retries, then the resume killed after an update (flow and engine), then
-  resumed again: the uninterrupted run's weights bit for bit, every complete buffer kept (the episodes'
-  rollout is reused, not played again). With the agent, the same path ends with the environment's
-  uninterrupted weights: its calls made the environment's rows, token for token.
+- The agent's run: a stage failing past its retries, then the resume killed after an update (flow and
+  engine), then resumed again: the uninterrupted environment run's weights and rows bit for bit (its
+  calls made the environment's rows, token for token), every complete buffer kept (the episodes'
+  rollout is reused, not played again).
 """
 
 from __future__ import annotations
