@@ -316,7 +316,7 @@ def check_request(body: Any, sampling: Sampling) -> tuple[str, Request | None]:
 
 
 def completion(tokenizer: Any, session: AgentSession, model: Any, ids: list[int], logps: list[float],
-               finish: str, with_logprobs: bool, prompt_tokens: int) -> dict[str, Any]:
+               finish: str, with_logprobs: bool) -> dict[str, Any]:
     """The chat.completion answering the pending call: the turn's text, its token ids, and log-probs."""
     text = str(tokenizer.decode(ids, skip_special_tokens=True))
     logprobs = None
@@ -329,9 +329,7 @@ def completion(tokenizer: Any, session: AgentSession, model: Any, ids: list[int]
     return {"id": f"chatcmpl-{session.key[:8]}-{session.calls}", "object": "chat.completion",
             "created": int(time.time()), "model": model if isinstance(model, str) else "policy",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                         "logprobs": logprobs, "token_ids": list(ids)}],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(ids),
-                      "total_tokens": prompt_tokens + len(ids)}}
+                         "logprobs": logprobs, "token_ids": list(ids)}]}
 
 
 class AgentEpisodes(EnvEpisodes):
@@ -348,14 +346,11 @@ class AgentEpisodes(EnvEpisodes):
         self.agents: list[AgentSession] = []
         self.asked: list[Request | None] = []  # each row's pending request
         self.rewards: list[float | None] = []  # what each agent returned
-        self.context: list[int] = []  # each row's tokens so far (prompt and turns), for `usage`
 
     def prompts(self, prompts: Any) -> tuple[Any, Any]:
-        import torch
-
         rows = len(prompts)
         self.steps = [0] * rows
-        self.asked, self.rewards, self.context = [None] * rows, [None] * rows, [0] * rows
+        self.asked, self.rewards = [None] * rows, [None] * rows
         timeout = self.limits.rollout_timeout_s
         until = time.monotonic() + timeout if timeout is not None else None
         # A window of children starting at once (each imports openai: ~0.5 s of CPU): the start-up
@@ -369,17 +364,14 @@ class AgentEpisodes(EnvEpisodes):
             self.agents.append(AgentSession(self.ref, self.limits, self.readable, until))
         for r in range(max(0, rows - window), rows):
             firsts.append(self.agents[r].start(_row(prompts, r, self.seeds[r])))
-        pad = int(self.tokenizer.pad_token_id)
-        ids = torch.full((rows, self.width), pad, dtype=torch.long)
-        mask = torch.zeros((rows, self.width), dtype=torch.long)
-        silent = 0
+        silent, rows_ids = 0, []
         for r, (agent, first) in enumerate(zip(self.agents, firsts)):
             row: list[int] = []
             if isinstance(first, float):
                 silent += 1
                 agent._fail(f"{agent.name} returned without calling the endpoint (client.chat.completions.create)")
             elif isinstance(first, Call):
-                request = self._take(agent, first)
+                request = self._take(r, first)
                 if request is not None:
                     agent.messages = request.messages
                     row = prompt_ids(self.tokenizer, request.messages)
@@ -387,23 +379,19 @@ class AgentEpisodes(EnvEpisodes):
                         agent.refuse(f"the first call's prompt is {len(row)} tokens, over data.max_prompt_length="
                                      f"{self.width}")
             self.prompt_messages.append(agent.messages)
-            if agent.failed:  # the episode is an error from the start: the model answers the row's own prompt
-                row = prompts["input_ids"][r][prompts["attention_mask"][r].bool()].tolist()[-self.width:]
-            self.context[r] = len(row)
-            ids[r, self.width - len(row):] = torch.tensor(row, dtype=torch.long)
-            mask[r, self.width - len(row):] = 1
+            rows_ids.append(row)
         if rows and silent == rows:
             raise ConfigError(f"rollout.agent: {self.ref} returned without calling the endpoint in every episode: an "
                               "agent's episode is its calls of client.chat.completions.create")
-        return ids, mask
+        return self._padded(prompts, rows_ids)
 
-    def _take(self, agent: AgentSession, call: Call) -> Request | None:
-        """The call's request, checked (refused: None, and the episode ends as an error)."""
+    def _take(self, r: int, call: Call) -> Request | None:
+        """Row r's call's request, checked (refused: None, and the episode ends as an error)."""
         problem, request = check_request(call.body, self.sampling)
         if problem:
-            agent.refuse(problem)
+            self.agents[r].refuse(problem)
             return None
-        self.asked[self.agents.index(agent)] = request
+        self.asked[r] = request
         return request
 
     def cut(self, row: int, ids: list[int]) -> int | None:
@@ -423,10 +411,9 @@ class AgentEpisodes(EnvEpisodes):
             body = agent.pending.body if agent.pending is not None else {}
             finish = "stop" if end else "length"
             agent.respond(200, completion(self.tokenizer, agent, body.get("model"), new, lp, finish,
-                                          request.logprobs, self.context[r]))
+                                          request.logprobs))
             agent.calls += 1
             agent.replied = str(self.tokenizer.decode(new, skip_special_tokens=True))
-            self.context[r] += len(new)
         replies = []
         for r, end, go in zip(rows, ends, room):
             agent = self.agents[r]
@@ -449,7 +436,7 @@ class AgentEpisodes(EnvEpisodes):
         """A later call: (the text the model reads next, the new messages); or, with no room left, the
         agent's return after a 400; or None (refused: the episode failed)."""
         agent = self.agents[r]
-        request = self._take(agent, call)
+        request = self._take(r, call)
         if request is None:
             return None
         before = agent.messages + [{"role": "assistant", "content": agent.replied}]
@@ -465,7 +452,6 @@ class AgentEpisodes(EnvEpisodes):
             return self._out_of_room(r)
         text = observation_text(self.tokenizer, new, end)
         agent.messages = request.messages
-        self.context[r] += len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         return text, new
 
     def _out_of_room(self, r: int) -> float | None:

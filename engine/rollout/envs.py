@@ -460,8 +460,6 @@ class EnvEpisodes:
         self.prompt_messages: list[list[Message]] = []
 
     def prompts(self, prompts: Any) -> tuple[Any, Any]:
-        import torch
-
         rows = len(prompts)
         self.steps = [0] * rows
         timeout = self.limits.rollout_timeout_s
@@ -470,10 +468,8 @@ class EnvEpisodes:
             self.sessions.append(EnvSession(self.ref, self.limits, self.readable, until))
         for r, session in enumerate(self.sessions):
             session.send("init", _row(prompts, r, self.seeds[r]))
-        pad = int(self.tokenizer.pad_token_id)
-        ids = torch.full((rows, self.width), pad, dtype=torch.long)
-        mask = torch.zeros((rows, self.width), dtype=torch.long)
-        for r, session in enumerate(self.sessions):
+        firsts = []
+        for session in self.sessions:
             outcome = session.receive("init")
             self.prompt_messages.append(outcome.observations)
             row = prompt_ids(self.tokenizer, outcome.observations) if not outcome.error else []
@@ -481,7 +477,19 @@ class EnvEpisodes:
                 session.failed = (f"{session.name}.init gave a prompt of {len(row)} tokens, over "
                                   f"data.max_prompt_length={self.width}")
                 session.close()
-            if session.failed:  # the episode is an error from the start: the model answers the row's own prompt
+            firsts.append(row)
+        return self._padded(prompts, firsts)
+
+    def _padded(self, prompts: Any, rows: list[list[int]]) -> tuple[Any, Any]:
+        """The episodes' prompt tokens, left padded to `width` [B, width], and their mask; an episode that
+        failed before its prompt gets the data row's own prompt (the model answers it; its reward is the
+        error's)."""
+        import torch
+
+        ids = torch.full((len(rows), self.width), int(self.tokenizer.pad_token_id), dtype=torch.long)
+        mask = torch.zeros((len(rows), self.width), dtype=torch.long)
+        for r, (session, row) in enumerate(zip(self.sessions, rows)):
+            if session.failed:
                 row = prompts["input_ids"][r][prompts["attention_mask"][r].bool()].tolist()[-self.width:]
             ids[r, self.width - len(row):] = torch.tensor(row, dtype=torch.long)
             mask[r, self.width - len(row):] = 1
