@@ -6,10 +6,10 @@ iterations of GRPO; the agent is the same game written against the openai client
   response mask; the reward stage's score is the environment's, and its token scores put each step's
   reward at its turn's last token; hung episodes are errors with the configured reward, each with its
   reason in the buffer and counted in the metrics, and the iteration goes on.
-- The agent's run: a stage failing past its retries, then the resume killed after an update (flow and
-  engine), then resumed again: the uninterrupted environment run's weights and rows bit for bit (its
-  calls made the environment's rows, token for token), every complete buffer kept (the episodes'
-  rollout is reused, not played again).
+- The environment's run and the agent's: a stage failing past its retries, then the resume killed after
+  an update (flow and engine), then resumed again: the uninterrupted environment run's weights bit for
+  bit (the agent's, its rows too: its calls made the environment's rows, token for token), every
+  complete buffer kept (the episodes' rollout is reused, not played again).
 """
 
 from __future__ import annotations
@@ -118,10 +118,7 @@ def test_episodes_are_in_the_buffers_and_their_rewards_are_the_environments(refe
     assert "ended as an error: GuessOrHang.step ran over its 1 s" in logs
 
 
-# The agent's run only: its episodes are the environment's, and a resume reuses the rollout (never plays it
-# again), so the environment's own failed-then-killed run took the same path to the same bytes (62 s of CI
-# saved; it passed on 2026-12-05 as this test's "env" case).
-@pytest.mark.parametrize("side", [AGENT], ids=["agent"])
+@pytest.mark.parametrize("side", [ENV, AGENT], ids=["env", "agent"])
 def test_failed_then_killed_run_resumes_like_the_uninterrupted_one(
         side: tuple[str, ...], cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path, reference: dict
 ) -> None:
@@ -147,8 +144,8 @@ def test_failed_then_killed_run_resumes_like_the_uninterrupted_one(
     assert_equal_weights(weights(tmp_path, "env-fail"), reference["weights"])
     assert [m["env/reward/mean"] for m in metrics(tmp_path, "env-fail")] == \
         [m["env/reward/mean"] for m in reference["metrics"]]
-    if side is AGENT:  # the agent's episodes are the environment's: the same rows, hung ones included
-        for i in range(1, ITERATIONS + 1):
-            mine, env = buffer(tmp_path, "env-fail", i, "rollout"), buffer(reference["root"], "env-ref", i, "rollout")
-            for key in ("input_ids", "response_mask", "rollout_logp", "env_reward", "env_errors", "env_steps"):
-                assert torch.equal(mine[key], env[key]), key
+    # the same rows, hung episodes included (the agent's episodes are the environment's)
+    for i in range(1, ITERATIONS + 1):
+        mine, env = buffer(tmp_path, "env-fail", i, "rollout"), buffer(reference["root"], "env-ref", i, "rollout")
+        for key in ("input_ids", "response_mask", "rollout_logp", "env_reward", "env_errors", "env_steps"):
+            assert torch.equal(mine[key], env[key]), key

@@ -19,16 +19,21 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import pytest
 
 from tasks.stages import RETRIES
-from tests.ops.conftest import Server, run_args, subflow_runs, task_states, wait_for
+from tests.ops.conftest import REWARD, Server, run_args, subflow_runs, task_states, wait_for
 from tests.services import Cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 POOL = "rlflow-test-pool"
 REUSED = ("generate_rollouts", "score_rewards", "compute_old_logprobs", "compute_advantages")
 FAULT = ["debug.fail_stage=update_policy", f"debug.fail_times={RETRIES + 1}", "debug.fail_iteration=2"]
+# An environment plays the rollouts (its reward replaces the rule's): 4 prompts x 4 episodes, two turns each.
+ENV = ["rollout.multi_turn.enable=true", "rollout.env=engine.rollout.builtin_envs:GuessNumber",
+       "rollout.multi_turn.max_turns=2", "rollout.max_new_tokens=24", "data.max_prompt_length=32",
+       "data.train_batch_size=4", "rollout.n=4", "actor.mini_batch_size=8", "actor.micro_batch_size=8"]
 
 
 class Worker(Server):
@@ -95,8 +100,8 @@ def test_a_worker_executes_a_run_and_its_retry_reuses_finished_stages(
     from prefect.states import AwaitingRetry
 
     root = tmp_path / "runs"
-    proc = cli("deploy", *run_args(tiny_model_dir, root, "trainer.iterations_per_run=2", *FAULT), "--name", "pooled",
-               "--interval", "15", "--pool", POOL)
+    args = [a for a in run_args(tiny_model_dir, root, "trainer.iterations_per_run=2", *FAULT, *ENV) if a != REWARD]
+    proc = cli("deploy", *args, "--name", "pooled", "--interval", "15", "--pool", POOL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"`prefect worker start --pool {POOL}` executes its runs" in proc.stdout
     deployment = prefect.read_deployment_by_name("rlflow-scheduled/pooled")
@@ -123,4 +128,5 @@ def test_a_worker_executes_a_run_and_its_retry_reuses_finished_stages(
     states = task_states(prefect, iteration[0].id)
     assert {stage: states.get(stage) for stage in REUSED} == dict.fromkeys(REUSED, "Cached"), states
     assert (rollout.stat().st_mtime_ns, rollout.read_bytes()) == before  # not regenerated
+    assert len(pd.read_parquet(rollout)["env_reward"]) == 16  # the environment's episodes, kept
     assert (root / "pooled" / "metrics" / "iter_000002.json").exists()
