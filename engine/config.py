@@ -56,7 +56,10 @@ class DataConfig(Section):
         "drop", description="a prompt over max_prompt_length: drop it (verl's filter_overlong_prompts, with a "
         "count in the log), error (refused before the run, naming the row), left (keep its last tokens) or "
         "right (keep its first tokens), as verl's data.truncation")
-    train_batch_size: int = Field(8, gt=0, description="prompts per iteration")
+    max_length: int = Field(256, gt=0, description="algorithm.objective=sft: the longest conversation in tokens "
+                            "(chat template applied); a longer one is dropped (data.truncation=drop, with a count in "
+                            "the log) or refused (error)")
+    train_batch_size: int = Field(8, gt=0, description="prompts per iteration (SFT: conversations per iteration)")
     val_batch_size: int = Field(64, gt=0, description="validation prompts per generate call (all ranks)")
     shuffle: bool = True
     seed: int = Field(0, ge=0)
@@ -398,6 +401,10 @@ class RefConfig(Section):
 class AlgorithmConfig(Section):
     """The advantage estimator, the in-reward KL and the iteration's extra stages."""
 
+    objective: Literal["rl", "sft"] = Field(
+        "rl", description="what an iteration trains: rl (rollouts, rewards, advantages, the policy loss) or sft "
+        "(supervised fine-tuning on data.train_files' chat conversations, the loss on the assistant tokens only; "
+        "validation is the loss on data.val_files)")
     adv_estimator: str = Field("grpo", description="a name in engine.algos.ADV_ESTIMATORS")
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(1.0, ge=0, le=1)

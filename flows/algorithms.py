@@ -1,4 +1,6 @@
 """Each algorithm is a declared list of stages with the columns each reads and writes: the iteration's DAG.
+Supervised fine-tuning (algorithm.objective=sft) is two: the iteration's conversations as training rows,
+then the update.
 
 The list is built from the config and checked before launch: every column a stage reads must be
 written by an earlier stage. GRPO leaves out the critic stages; ReMax adds a greedy-baseline rollout
@@ -27,6 +29,10 @@ SEQUENCES = ("input_ids", "attention_mask", "responses", "response_mask")  # wha
 
 def stages_for(cfg: RLConfig) -> list[StageSpec]:
     """The stage list of one iteration for this config, wired and checked."""
+    if cfg.algorithm.objective == "sft":  # the iteration's conversations, then the update on them
+        return wire([StageSpec(name="load_conversations", task="load_conversations", reads=(), buffer="sft",
+                               writes=(*SEQUENCES, "row_index")),
+                     StageSpec(name="update_policy", task="update_policy", engine=True, writes=(), reads=SEQUENCES)])
     spec = get_adv_estimator(cfg.algorithm.adv_estimator)
     env = cfg.rollout.episodes is not None  # an agent's episodes fill the same columns
     turns = ("turns", *(ENV_COLUMNS if env else ("tool_calls", "tool_errors"))) if cfg.rollout.multi_turn.enable else ()

@@ -16,6 +16,8 @@ from xml.sax.saxutils import escape
 CHARTS = (
     ("train reward", "critic/score/mean", "{:.3f}"),
     ("validation score", "val/score/mean", "{:.3f}"),
+    ("SFT loss", "actor/sft_loss", "{:.4f}"),
+    ("validation loss (SFT)", "val/loss", "{:.4f}"),
     ("response length", "response_length/mean", "{:.1f}"),
     ("KL to the reference", "actor/kl", "{:.4f}"),
     ("entropy", "actor/entropy", "{:.3f}"),

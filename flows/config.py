@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,6 +37,7 @@ from infra.errors import InfraError
 from tasks.faults import FaultConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_grpo.yaml"
+SFT_CONFIG = DEFAULT_CONFIG.with_name("tiny_sft.yaml")  # `rlflow sft`'s default
 
 
 MAX_ITERATIONS = 10**7  # a run longer than this is a typo, not a plan
@@ -147,12 +149,18 @@ class RLConfig(BaseModel):
         from engine.algos import get_adv_estimator
 
         ranks = self.trainer.world_size
-        per_iter = self.data.train_batch_size * self.rollout.n
+        if self.algorithm.objective == "sft":
+            self._check_sft()
+        elif _differs_from_default(self.data, "max_length"):
+            raise _cross("data.max_length", self.data.max_length, "bounds SFT's conversations: it needs "
+                         "algorithm.objective=sft (a rollout's prompts: data.max_prompt_length)")
+        per_iter = self.rows_per_iteration
         if per_iter % ranks:
             raise _cross(
                 "data.train_batch_size",
                 self.data.train_batch_size,
-                f"train_batch_size x rollout.n ({per_iter}) must be divisible by trainer.world_size ({ranks})",
+                (f"train_batch_size x rollout.n ({per_iter})" if self.algorithm.objective == "rl" else
+                 "its conversations") + f" must be divisible by trainer.world_size ({ranks})",
             )
         for section in ("actor", "critic"):
             mini = getattr(self, section).mini_batch_size
@@ -218,6 +226,32 @@ class RLConfig(BaseModel):
         self._check_unread_settings(spec)
         self._check_inert_sections()
         return self
+
+    @property
+    def rows_per_iteration(self) -> int:
+        """The training rows of an iteration: train_batch_size prompts x rollout.n responses (SFT: conversations)."""
+        return self.data.train_batch_size * (self.rollout.n if self.algorithm.objective == "rl" else 1)
+
+    def _check_sft(self) -> None:
+        """algorithm.objective=sft generates, scores and compares nothing: a setting of the rollout, the
+        reward, the critic, the reference, the advantage or the policy loss is refused, as are the
+        prompts' own data settings and the split placement."""
+        inert = [*_changed(self.rollout, "rollout"), *_changed(self.reward, "reward"), *_changed(self.critic, "critic"),
+                 *_changed(self.ref, "ref"),
+                 *((k, v) for k, v in _changed(self.algorithm, "algorithm") if k != "algorithm.objective"),
+                 *((k, v) for k, v in _changed(self.actor, "actor") if k.removeprefix("actor.").split(".")[0] in SFT_INERT_ACTOR),
+                 *((k, v) for k, v in _changed(self.data, "data") if k in ("data.prompt_key", "data.max_prompt_length"))]
+        if inert:
+            key, value = inert[0]
+            raise _cross(key, value, "is a setting of RL (rollouts, rewards, advantages, the policy loss); "
+                         "algorithm.objective=sft trains on data.train_files' conversations (configs/tiny_sft.yaml "
+                         "is an SFT config)")
+        if self.data.truncation in ("left", "right"):
+            raise _cross("data.truncation", self.data.truncation, "algorithm.objective=sft drops a conversation "
+                         "over data.max_length (drop) or refuses it (error); cutting one is not built")
+        if self.placement.mode == "split":
+            raise _cross("placement.mode", "split", "puts the rollout on its own pool; algorithm.objective=sft has "
+                         "no rollout (colocated)")
 
     def _check_inert_sections(self) -> None:
         """A section, or a setting, that this config never runs is refused (its value would change nothing):
@@ -528,6 +562,21 @@ class RLConfig(BaseModel):
 
 
 _SEMANTIC_TRAINER_KEYS = ("total_iterations", "world_size", "device", "seed", "max_staleness")
+
+
+# The actor's settings that SFT's loss never reads (it keeps the optimizer, batching, sharding and LoRA).
+SFT_INERT_ACTOR = ("policy_loss", "clip_low", "clip_high", "clip_ratio_c", "loss_agg_mode", "use_kl_loss",
+                   "kl_loss_coef", "kl_loss_type", "entropy_coeff", "rollout_correction", "old_log_prob", "ppo_epochs")
+
+
+def _changed(section: BaseModel, prefix: str) -> Iterator[tuple[str, Any]]:
+    """Every setting of `section`, nested sections included, whose value is not its default, dotted."""
+    for key, field in type(section).model_fields.items():
+        value = getattr(section, key)
+        if isinstance(value, BaseModel) and isinstance(field.get_default(call_default_factory=True), BaseModel):
+            yield from _changed(value, f"{prefix}.{key}")
+        elif _differs_from_default(section, key):
+            yield f"{prefix}.{key}", value
 
 
 def _differs_from_default(section: BaseModel, key: str) -> bool:

@@ -197,16 +197,21 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
         check_agent(cfg.rollout.agent, EnvLimits(mt.env_step_timeout_s, mt.env_memory_mb, cfg.reward.sandbox.isolation),
                     env_files(cfg.rollout.agent))
     synthetic = None
+    sft = cfg.algorithm.objective == "sft"
     if not cfg.data.train_files:  # the synthetic data.task: demo code, its files written here
-        from engine.demo.data import ensure_synthetic_data
+        from engine.demo.data import ensure_demonstrations, ensure_synthetic_data
 
-        synthetic = ensure_synthetic_data(cfg.data.task, cache_dir() / "data", train_size=cfg.data.train_size,
-                                          val_size=cfg.data.val_size, seed=cfg.data.seed)
-    train, val = load_train_val(cfg.data, length_fn=lambda p: prompt_lengths(tokenizer, [p], tools)[0],
-                                synthetic_files=synthetic)
+        synthetic = (ensure_demonstrations if sft else ensure_synthetic_data)(
+            cfg.data.task, cache_dir() / "data", train_size=cfg.data.train_size, val_size=cfg.data.val_size,
+            seed=cfg.data.seed)
+    if sft:
+        train, val = _conversations(cfg, tokenizer, synthetic)
+    else:
+        train, val = load_train_val(cfg.data, length_fn=lambda p: prompt_lengths(tokenizer, [p], tools)[0],
+                                    synthetic_files=synthetic)
     if len(train) < cfg.data.train_batch_size:
         raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} is larger than the training set "
-                          f"({len(train)} prompts after filtering): lower it or add data")
+                          f"({len(train)} {'conversations' if sft else 'prompts'} after filtering): lower it or add data")
     engine = engine_spec(cfg, run_id, model_path, tokenizer_path)
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():  # the CLI checks again once the stack is up; a flow run has Ray
@@ -223,7 +228,7 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
     if resume:
         check_same_base(runs, run_id, identity)
     stages_for(cfg)  # refuses a stage that reads a column nobody writes
-    if cfg.rollout.episodes is None:  # with an environment or an agent, that gives the reward
+    if cfg.rollout.episodes is None and not sft:  # with an environment or an agent, that gives the reward
         check_reward(train, cfg.reward)
     if cfg.reward.cost_function is not None:  # safe RL's cost is scored as a reward is
         check_reward(train, cfg.reward.model_copy(update={"function": cfg.reward.cost_function,
@@ -391,6 +396,23 @@ def pool_ranks(cfg: RLConfig) -> tuple[int, int]:
     return rollout_ranks, rm_ranks
 
 
+def _conversations(cfg: RLConfig, tokenizer: Any, synthetic: tuple[Any, Any] | None) -> tuple[Any, Any]:
+    """algorithm.objective=sft: the train and validation conversations (engine.data.conversations), checked
+    with the run's tokenizer: its chat template must mark the assistant's tokens."""
+    from engine.data.conversations import load_conversations
+
+    data = cfg.data
+    train_files, val_files = list(data.train_files), list(data.val_files)
+    if synthetic is not None:
+        train_files, val_files = [str(synthetic[0])], val_files or [str(synthetic[1])]
+
+    def load(files: list[str], split: str) -> Any:
+        return load_conversations(files, split=split, tokenizer=tokenizer, max_length=data.max_length,
+                                  truncation=data.truncation)
+
+    return load(train_files, "train"), (load(val_files, "val") if val_files else None)
+
+
 def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str) -> EngineSpec:
     """The engine of this run: policy (+ ref when a KL term is on) and, for PPO, a critic."""
     from engine.engine import EngineSpec
@@ -413,7 +435,7 @@ def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str
         trust_remote_code=cfg.model.trust_remote_code, rollout=cfg.rollout, actor=actor, ref=cfg.ref,
         use_ref=cfg.needs_ref, total_iterations=cfg.trainer.total_iterations, seed=cfg.trainer.seed,
         sandbox_isolation=cfg.reward.sandbox.isolation, max_model_len=cfg.max_model_len,
-        max_prompt_length=cfg.data.max_prompt_length,
+        max_prompt_length=cfg.data.max_prompt_length, objective=cfg.algorithm.objective,
     )
     rm_cfg = cfg.reward.model
     reward_model = None

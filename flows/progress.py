@@ -54,6 +54,9 @@ def notify(iteration: int, metrics: dict[str, float]) -> None:
 
 
 def summary_line(iteration: int, m: dict[str, float]) -> str:
+    if "actor/sft_loss" in m:  # algorithm.objective=sft
+        val = f"  val_loss {m['val/loss']:.4f}" if "val/loss" in m else ""
+        return f"iter {iteration:4d}  loss {m['actor/sft_loss']:.4f}{val}  step {m.get('timing_s/step', 0.0):.1f}s"
     val = f"  val {m['val/score/mean']:.3f}" if "val/score/mean" in m else ""
     return (f"iter {iteration:4d}  reward {m.get('critic/score/mean', float('nan')):.3f}{val}  "
             f"len {m.get('response_length/mean', float('nan')):5.1f}  "

@@ -17,7 +17,7 @@ from prefect.artifacts import (
 from flows import charts
 from infra.layout import artifact_key
 
-KEY_METRICS = ("critic/score/mean", "val/score/mean", "response_length/mean", "actor/pg_loss", "actor/entropy",
+KEY_METRICS = ("critic/score/mean", "val/score/mean", "actor/sft_loss", "val/loss", "response_length/mean", "actor/pg_loss", "actor/entropy",
                "actor/ppo_kl", "actor/grad_norm", "timing_s/step", "perf/orchestration_s")
 
 
@@ -47,15 +47,22 @@ def summary(run_id: str, history: list[dict[str, Any]], checkpoints: list[tuple[
             export_url: str | None, timeline_url: str | None = None) -> str:
     """Markdown: charts of reward, validation score, response length, KL, entropy and step time, the
     first and last values, the last metrics, the committed checkpoints."""
-    trained = [m for m in history if "critic/score/mean" in m]
-    reward = [m["critic/score/mean"] for m in trained]
+    trained = [m for m in history if m["iteration"] >= 1]
+    reward = [m["critic/score/mean"] for m in trained if "critic/score/mean" in m]
     val = [(m["iteration"], m["val/score/mean"]) for m in history if "val/score/mean" in m]
+    sft = [m["actor/sft_loss"] for m in trained if "actor/sft_loss" in m]
+    val_loss = [(m["iteration"], m["val/loss"]) for m in history if "val/loss" in m]
     lines = [f"# {run_id}", "", f"{len(trained)} iterations trained.", "", *charts.chart_markdown(history), "",
              "| curve | first | last |", "|---|---|---|"]
     if reward:
         lines.append(f"| train reward | {reward[0]:.3f} | {reward[-1]:.3f} |")
     if val:
         lines.append(f"| validation score | {val[0][1]:.3f} (iter {val[0][0]}) | {val[-1][1]:.3f} (iter {val[-1][0]}) |")
+    if sft:
+        lines.append(f"| SFT loss | {sft[0]:.4f} | {sft[-1]:.4f} |")
+    if val_loss:
+        lines.append(f"| validation loss | {val_loss[0][1]:.4f} (iter {val_loss[0][0]}) | {val_loss[-1][1]:.4f} "
+                     f"(iter {val_loss[-1][0]}) |")
     if trained:
         lines += ["", "## Last iteration", "", "| metric | value |", "|---|---|"]
         lines += [f"| {k} | {trained[-1][k]:.4g} |" for k in KEY_METRICS if k in trained[-1]]

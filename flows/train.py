@@ -550,7 +550,8 @@ def _validate_before(trainer: Trainer) -> None:
         metrics = validate.submit(trainer.plan, 0).result().metrics
     if metrics:
         trainer.run.runs.write_metrics(0, metrics)
-        get_run_logger().info("iter 0: validation score %.3f before training", metrics["val/score/mean"])
+        name, key = ("loss", "val/loss") if "val/loss" in metrics else ("score", "val/score/mean")
+        get_run_logger().info("iter 0: validation %s %.3f before training", name, metrics[key])
 
 
 def _export(trainer: Trainer, engine: Engine, iteration: int) -> str:

@@ -81,6 +81,13 @@ class StageContext:
 
     def dataset(self, split: str) -> PromptDataset:
         """The train or val prompts, filtered by length exactly as the train flow checked them."""
+        if split not in self._cache and self.plan.algorithm.objective == "sft":  # conversations, each one row
+            from engine.data.conversations import load_conversations
+
+            files = self.plan.train_files if split == "train" else self.plan.val_files
+            self._cache[split] = load_conversations(files, split=split, tokenizer=self.tokenizer,
+                                                    max_length=self.plan.data.max_length,
+                                                    truncation=self.plan.data.truncation)
         if split not in self._cache:
             files = self.plan.train_files if split == "train" else self.plan.val_files
             self._cache[split] = load_prompts(
@@ -124,6 +131,13 @@ class StageContext:
         indices = self.sampler_at(step).next_indices()
         rows = [self.dataset("train")[i] for i in indices]
         return self._encode(rows, indices).repeat_interleave(self.plan.rollout.n)
+
+    def conversations(self, split: str, indices: list[int]) -> Batch:
+        """algorithm.objective=sft: the conversations at `indices` as training rows (engine.data.conversations)."""
+        from engine.data.conversations import sft_batch
+
+        rows = self.dataset(split)
+        return sft_batch(self.tokenizer, [rows[i] for i in indices], indices)
 
     def val_batch(self) -> Batch:
         rows = list(self.dataset("val"))

@@ -241,6 +241,20 @@ def continue_rollouts(ctx: StageContext, iteration: int, stage: StageSpec, input
     return _write(ctx, iteration, stage, batch, metrics)
 
 
+@graph_stage("load_conversations")
+def load_conversations(ctx: StageContext, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                       kl_coef: float) -> StageResult:
+    """algorithm.objective=sft: iteration k's conversations (the sampler's step k-1) as training rows, the
+    loss on their assistant tokens only (engine.data.conversations)."""
+    indices = ctx.sampler_at(iteration - 1).next_indices()
+    batch = ctx.conversations("train", indices)
+    trained, real = float(batch["response_mask"].sum()), float(batch["attention_mask"].sum())
+    metrics = {"sft/trained_tokens": trained, "sft/tokens": real, "sft/trained_share": trained / real}
+    get_run_logger().info("iteration %d: %d conversations, %d of their %d tokens trained", iteration, len(batch),
+                          int(trained), int(real))
+    return _write(ctx, iteration, stage, batch, metrics)
+
+
 def tool_metrics(batch: Batch, prefix: str) -> dict[str, float]:
     """Multi-turn rollouts: how often the responses call tools, and how often a call gets an error."""
     calls, errors = batch["tool_calls"].float(), batch["tool_errors"].float()
@@ -631,6 +645,27 @@ def sync_weights(ctx: StageContext, iteration: int, stage: StageSpec, inputs: di
 
 # -- checkpoint and validation ---------------------------------------------------------------------
 
+def _validate_sft(ctx: StageContext, iteration: int) -> StageResult:
+    """algorithm.objective=sft: the loss on the validation conversations' assistant tokens, `val/loss` (the
+    mean over all their tokens), and per source."""
+    start = time.perf_counter()
+    engine = ctx.engine("validate")
+    rows = ctx.dataset("val")
+    size = ctx.plan.data.val_batch_size
+    logps, sources = [], []
+    for first in range(0, len(rows), size):
+        chunk = ctx.conversations("val", list(range(first, min(first + size, len(rows)))))
+        logp, trained = engine.compute_log_prob(chunk, expected_version=iteration)["old_logp"], chunk["response_mask"].bool()
+        for r, i in enumerate(chunk["row_index"].tolist()):
+            logps.append(logp[r][trained[r]])
+            sources.append(rows[i].data_source)
+    metrics = {"val/loss": -float(torch.cat(logps).mean()), "timing_s/validate": time.perf_counter() - start}
+    for source in sorted(set(sources)):
+        metrics[f"val/{source}/loss"] = -float(torch.cat([lp for lp, s in zip(logps, sources) if s == source]).mean())
+    get_run_logger().info("iteration %d: validation loss %.4f", iteration, metrics["val/loss"])
+    return StageResult(metrics=metrics)
+
+
 @stage_task("save_checkpoint", cache=False)
 def save_checkpoint(plan: RunPlan, iteration: int, trainer_state: dict[str, Any]) -> StageResult:
     """Sharded engine state + trainer state at step `iteration`, committed (MANIFEST, then LATEST)."""
@@ -657,6 +692,8 @@ def validate(plan: RunPlan, iteration: int) -> StageResult:
     ctx = context(plan)
     if not ctx.plan.val_files:
         return StageResult()
+    if ctx.plan.algorithm.objective == "sft":
+        return _validate_sft(ctx, iteration)
     prompts = ctx.val_batch()
     start = time.perf_counter()
     engine = ctx.engine("validate")

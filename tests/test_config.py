@@ -455,6 +455,49 @@ def test_environment_settings_outside_their_mode_are_refused(overrides: list[str
     assert build_config(json.loads(json.dumps(cfg.public_dict()))).config_hash() == cfg.config_hash()
 
 
+SFT = ("algorithm.objective=sft",)
+RL_SETTING = "is a setting of RL (rollouts, rewards, advantages, the policy loss); algorithm.objective=sft trains on "
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ([*SFT, "rollout.n=4"], f"rollout.n=4 is not allowed: {RL_SETTING}"),
+    ([*SFT, "rollout.multi_turn.max_turns=4"], f"rollout.multi_turn.max_turns=4 is not allowed: {RL_SETTING}"),
+    ([*SFT, "reward.overlong_buffer_len=2"], f"reward.overlong_buffer_len=2 is not allowed: {RL_SETTING}"),
+    ([*SFT, "algorithm.adv_estimator=rloo"], f"algorithm.adv_estimator='rloo' is not allowed: {RL_SETTING}"),
+    ([*SFT, "actor.clip_high=0.28"], f"actor.clip_high=0.28 is not allowed: {RL_SETTING}"),
+    ([*SFT, "actor.rollout_correction.upper=3"], f"actor.rollout_correction.upper=3.0 is not allowed: {RL_SETTING}"),
+    ([*SFT, "critic.enable=true"], f"critic.enable=True is not allowed: {RL_SETTING}"),
+    ([*SFT, "ref.micro_batch_size=4"], f"ref.micro_batch_size=4 is not allowed: {RL_SETTING}"),
+    ([*SFT, "data.max_prompt_length=64"], f"data.max_prompt_length=64 is not allowed: {RL_SETTING}"),
+    ([*SFT, "data.truncation=left"], "data.truncation='left' is not allowed: algorithm.objective=sft drops a "
+                                     "conversation over data.max_length (drop) or refuses it (error); cutting one is not built"),
+    ([*SFT, "placement.mode=split"], "placement.mode='split' is not allowed: puts the rollout on its own pool; "
+                                     "algorithm.objective=sft has no rollout (colocated)"),
+    (["data.max_length=64"], "data.max_length=64 is not allowed: bounds SFT's conversations: it needs "
+                             "algorithm.objective=sft (a rollout's prompts: data.max_prompt_length)"),
+    (["algorithm.objective=dpo"], "algorithm.objective='dpo' is not allowed: Input should be 'rl' or 'sft'"),
+])
+def test_sft_refuses_the_settings_of_rl(overrides: list[str], message: str) -> None:
+    """From the model defaults (an empty YAML): the default config's RL settings would be refused first."""
+    with pytest.raises(ConfigError, match=re.escape(message)) as err:
+        build_config(_raw(overrides))
+    assert "\n" not in str(err.value)
+    cfg = build_config(_raw([*SFT, "data.max_length=64", "actor.lora.rank=4", "actor.lr=1e-4", "data.train_batch_size=6",
+                             "trainer.world_size=2", "data.truncation=error"]))
+    assert cfg.rows_per_iteration == 6 and cfg.data.max_length == 64
+    with pytest.raises(ConfigError, match=re.escape("rollout.val_do_sample=True is not allowed: is a setting of RL")):
+        load_config(None, list(SFT))  # the default config is RL's
+
+
+def _raw(overrides: list[str]) -> dict:
+    from flows.config import parse_override, set_dotted
+
+    raw: dict = {}
+    for item in overrides:
+        set_dotted(raw, *parse_override(item))
+    return raw
+
+
 ABSURD = {  # accepted on main, found out mid-run or never: refused at load, one line naming the setting
     "actor.lr=.inf": "actor.lr=inf is not allowed: Input should be a finite number",
     "trainer.stage_timeouts={update_policy: .nan}": "trainer.stage_timeouts={'update_policy': nan} is not allowed: "

@@ -55,3 +55,23 @@ def ensure_synthetic_data(
     return make_synthetic_files(
         task, out, n=train_size, val_n=val_size, seed=seed, train_name=train.name, val_name=val.name
     )
+
+
+def ensure_demonstrations(
+    task: str, out_dir: str | os.PathLike[str], train_size: int, val_size: int, seed: int
+) -> tuple[Path, Path]:
+    """algorithm.objective=sft without data.train_files: the synthetic task's rows as SFT conversations (the
+    prompt, then the task's reference answer as the assistant's turn), written on first use as
+    `ensure_synthetic_data`'s files are, with the same rows."""
+    from engine.data.conversations import demonstrations
+
+    prompts = ensure_synthetic_data(task, out_dir, train_size, val_size, seed)
+    out = []
+    for path in prompts:
+        target = path.with_name(path.name.replace(f"{task}_", f"{task}_sft_", 1))
+        if not target.exists():
+            import pyarrow.parquet as pq
+
+            write_rows_parquet(demonstrations(pq.read_table(path).to_pylist(), synthetic.solution_text), target)
+        out.append(target)
+    return out[0], out[1]

@@ -243,15 +243,18 @@ class PolicyWorker(RankWorker):
         return self.spec.actor.rollout_correction.mode in ("truncate", "mask")
 
     def gradients(self, batch: Batch, *, micro_batch_size: int | None = None, loss_agg_mode: str | None = None,
-                  max_tokens_per_micro_batch: int | None = None) -> dict[str, torch.Tensor]:
+                  max_tokens_per_micro_batch: int | None = None, objective: str | None = None
+                  ) -> dict[str, torch.Tensor]:
         """The gradient the update would step with on `batch` as ONE mini-batch (before clipping), full
         tensors on every rank; the weights and optimizer are untouched. For equivalence tests: the update's
-        own code path (accumulate_gradients), with the micro-batching and aggregation overridable."""
+        own code path (accumulate_gradients), with the micro-batching, aggregation and objective (rl, sft)
+        overridable."""
         actor = self.spec.actor.model_copy(update={
             "micro_batch_size": micro_batch_size or self.spec.actor.micro_batch_size,
             "loss_agg_mode": loss_agg_mode or self.spec.actor.agg_mode,
             "max_tokens_per_micro_batch": max_tokens_per_micro_batch or self.spec.actor.max_tokens_per_micro_batch})
-        saved, self.spec = self.spec, self.spec.model_copy(update={"actor": actor})
+        saved, self.spec = self.spec, self.spec.model_copy(update={"actor": actor,
+                                                                   "objective": objective or self.spec.objective})
         try:
             self.actor.train()
             self.optimizer.zero_grad(set_to_none=True)
@@ -273,6 +276,11 @@ class PolicyWorker(RankWorker):
         cfg = self.spec.actor
         length = self.spec.rollout.max_new_tokens  # Dr. GRPO's constant normalizer (algos.agg)
         mask = micro["response_mask"]
+        if self.spec.objective == "sft":  # the negative log-likelihood of the assistant's tokens (token-mean)
+            logp = algos.logprobs_from_logits(response_logits(self.actor, micro, 1.0, cfg.forward_layout),
+                                              micro["responses"])
+            loss = algos.agg_loss(loss_mat=-logp, loss_mask=mask, loss_agg_mode=cfg.agg_mode, max_response_length=length)
+            return loss, {"actor/sft_loss": loss.detach(), "actor/loss": loss.detach()}
         logits = response_logits(self.actor, micro, self.spec.rollout.temperature, cfg.forward_layout)  # [b, T, V]
         logp = algos.logprobs_from_logits(logits, micro["responses"])
         policy_loss = algos.get_policy_loss(cfg.policy_loss)

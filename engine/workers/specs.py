@@ -33,6 +33,7 @@ class PolicySpec(BaseModel):
     sandbox_isolation: Literal["bwrap", "none"] = "bwrap"  # reward.sandbox.isolation: how tool calls are confined
     max_model_len: int = 2048  # rollout.name=vllm: the engine's longest prompt + response (RLConfig.max_model_len)
     max_prompt_length: int = 1024  # data.max_prompt_length: rollout.env pads an episode's prompt to it
+    objective: Literal["rl", "sft"] = "rl"  # algorithm.objective: the update's loss
 
 
 class CriticSpec(BaseModel):

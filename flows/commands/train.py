@@ -18,13 +18,26 @@ _SECRET_ON_COMMAND_LINE = ("storage.secret_access_key",)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("train", help="train (or resume) a run: the main job")
-    parser.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]",
-                        help="a YAML config (default configs/tiny_grpo.yaml) and dotted overrides")
-    parser.add_argument("--resume", metavar="RUN_ID", help="go on with an existing run from its storage")
-    parser.add_argument("--log-level", default=os.environ.get("RLFLOW_LOG_LEVEL", "INFO"),
-                        help="INFO (default) or DEBUG for detail (also RLFLOW_LOG_LEVEL)")
-    parser.set_defaults(func=_train)
+    for name, what, config, func in (("train", "train (or resume) a run: the main job", "tiny_grpo", _train),
+                                     ("sft", "supervised fine-tuning: rlflow train with algorithm.objective=sft",
+                                      "tiny_sft", _sft)):
+        parser = sub.add_parser(name, help=what)
+        parser.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]",
+                            help=f"a YAML config (default configs/{config}.yaml) and dotted overrides")
+        parser.add_argument("--resume", metavar="RUN_ID", help="go on with an existing run from its storage")
+        parser.add_argument("--log-level", default=os.environ.get("RLFLOW_LOG_LEVEL", "INFO"),
+                            help="INFO (default) or DEBUG for detail (also RLFLOW_LOG_LEVEL)")
+        parser.set_defaults(func=func)
+
+
+def _sft(args: argparse.Namespace) -> int:
+    """`rlflow sft [CONFIG] [key=value ...]`: `rlflow train` of configs/tiny_sft.yaml (or CONFIG) with
+    algorithm.objective=sft (a config of RL settings is refused, naming the first)."""
+    from flows.config import SFT_CONFIG
+
+    path, overrides = split_config_args(args.args)
+    args.args = [path or str(SFT_CONFIG), *overrides, "algorithm.objective=sft"]
+    return _train(args)
 
 
 def strip_secrets(overrides: list[str]) -> list[str]:

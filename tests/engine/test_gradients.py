@@ -159,6 +159,39 @@ def test_actor_gradient_equals_one_process(engine: Engine, batch: Batch, model_d
         assert err <= REL_TOL, (mode, micro, err)
 
 
+def sft_batch_of(model_dir: Path) -> Batch:
+    """10 conversations (5 a rank with 2 ranks) of one to three assistant turns: the later user turns are
+    holes in the trained tokens."""
+    from engine.data.conversations import sft_batch
+    from engine.data.prompts import PromptRow
+
+    rows = make_rows("arith", 10, seed=4)
+    conversations = []
+    for i, row in enumerate(rows):
+        messages = [*row["prompt"], {"role": "assistant", "content": f"#### {row['reward_model']['ground_truth']}"}]
+        for turn in range(i % 3):
+            messages += [{"role": "user", "content": f"again {turn}"}, {"role": "assistant", "content": str(i * 7 + turn)}]
+        conversations.append(PromptRow(messages, "sft", None))
+    return sft_batch(load_tokenizer(str(model_dir)), conversations, list(range(10)))
+
+
+def test_sft_gradient_equals_one_process(engine: Engine, model_dir: Path) -> None:
+    """algorithm.objective=sft: the mean negative log-likelihood of the trained tokens over the whole batch,
+    at temperature 1 (the engine's rollout samples at 0.9: SFT must not read it)."""
+    batch = sft_batch_of(model_dir)
+    assert int(batch["response_mask"].sum()) < int(batch["attention_mask"][:, -batch["responses"].shape[1]:].sum())
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    logp = algos.logprobs_from_logits(response_logits(model, batch, 1.0, "padded"), batch["responses"])
+    mask = batch["response_mask"].float()
+    (-(logp * mask).sum() / mask.sum()).backward()
+    want = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    for micro in (1, 3, 10):
+        got = engine.policy.call("gradients", batch, mode="dp", micro_batch_size=micro, objective="sft")[0]
+        err = relative_error(got, want)
+        print(f"sft {engine.spec.world_size} rank(s) micro {micro}: relative error {err:.2e}")
+        assert err <= REL_TOL, (micro, err)
+
+
 @pytest.mark.parametrize("mode", algos.LOSS_AGG_MODES)
 def test_critic_gradient_equals_one_process(engine: Engine, batch: Batch, model_dir: Path, mode: str,
                                             critic_head: dict[str, torch.Tensor]) -> None:

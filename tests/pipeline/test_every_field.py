@@ -104,6 +104,7 @@ EFFECTS: dict[str, Run | Refused | AtStart | Shown] = {
     "data.train_size": Shown("tests/data/test_prompt_data.py::test_load_train_val_from_config"),
     "data.val_size": Run("9", "val"),
     "data.prompt_key": Refused("question"),
+    "data.max_length": Refused("64"),  # RL's; SFT's effect: tests/data/test_conversations.py's long conversations
     "data.max_prompt_length": Shown("tests/data/test_prompt_data.py::test_long_prompts_are_dropped_with_a_count_in_the_log"),
     "data.truncation": Shown("tests/data/test_prompt_data.py::test_truncation_left_and_right_cut_the_encoded_prompt"),
     "data.train_batch_size": Shown("tests/pipeline/test_algorithms.py::test_rloo"),
@@ -203,6 +204,7 @@ EFFECTS: dict[str, Run | Refused | AtStart | Shown] = {
     "critic.loss_agg_mode": Refused("seq-mean-token-mean"),
     "ref.micro_batch_size": Refused("3"),
     "ref.max_tokens_per_micro_batch": Refused("40"),
+    "algorithm.objective": Shown("tests/ops/test_sft.py::test_the_conversations_are_the_samplers_and_the_validation_loss_falls"),
     "algorithm.adv_estimator": Shown("tests/pipeline/test_algorithms.py::test_rloo"),
     "algorithm.gamma": Refused("0.5"),
     "algorithm.lam": Refused("0.5"),
