@@ -156,6 +156,19 @@ def test_every_prompt_longer_than_the_limit(offline: Offline, tmp_path: Path) ->
     assert str(path) in error, error
 
 
+def test_sft_data_without_an_assistant_turn(offline: Offline, tmp_path: Path) -> None:
+    """`rlflow train configs/tiny_sft.yaml` on a conversation with no assistant turn: one line naming the
+    row, before the stack."""
+    talk = [{"messages": [{"role": "user", "content": f"{i} + 1?"}, {"role": "assistant", "content": f"#### {i + 1}"}]}
+            for i in range(GOOD_ROWS)]
+    talk[3] = {"messages": [{"role": "user", "content": "hello"}]}
+    path = write_jsonl(tmp_path / "sft.jsonl", talk)
+    error, _ = offline.train(f"data.train_files=[{path}]", config=str(REPO / "configs" / "tiny_sft.yaml"))
+    assert error == (f"rlflow: error: {path}: row 3: key 'messages': no assistant turn in [{{'role': 'user', "
+                     "'content': 'hello'}]: SFT trains on the assistant's turns only, so a conversation needs at "
+                     "least one"), error
+
+
 # --------------------------------------------------------------------------------------- rewards
 
 REWARDS = '''
