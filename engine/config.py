@@ -401,10 +401,16 @@ class RefConfig(Section):
 class AlgorithmConfig(Section):
     """The advantage estimator, the in-reward KL and the iteration's extra stages."""
 
-    objective: Literal["rl", "sft"] = Field(
-        "rl", description="what an iteration trains: rl (rollouts, rewards, advantages, the policy loss) or sft "
+    objective: Literal["rl", "sft", "dpo"] = Field(
+        "rl", description="what an iteration trains: rl (rollouts, rewards, advantages, the policy loss), sft "
         "(supervised fine-tuning on data.train_files' chat conversations, the loss on the assistant tokens only; "
-        "validation is the loss on data.val_files)")
+        "validation is the loss on data.val_files) or dpo (preference pairs: prompt, chosen, rejected; the "
+        "frozen reference is the base model, or the actor with its LoRA adapters off; validation is the "
+        "preference accuracy on data.val_files)")
+    dpo_loss: Literal["sigmoid", "ipo"] = Field("sigmoid", description="algorithm.objective=dpo: the loss of a pair, "
+                                                "DPO's -log sigmoid(beta * margin) or IPO's (margin - 1/(2 beta))^2")
+    dpo_beta: float = Field(0.1, gt=0, description="algorithm.objective=dpo: beta, the strength of the reference "
+                            "(DPO's temperature, IPO's 1/(2 beta) target margin)")
     adv_estimator: str = Field("grpo", description="a name in engine.algos.ADV_ESTIMATORS")
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(1.0, ge=0, le=1)

@@ -1,6 +1,7 @@
 """Each algorithm is a declared list of stages with the columns each reads and writes: the iteration's DAG.
 Supervised fine-tuning (algorithm.objective=sft) is two: the iteration's conversations as training rows,
-then the update.
+then the update; DPO three: the iteration's preference pairs, the reference's log-probs of both
+responses, the update.
 
 The list is built from the config and checked before launch: every column a stage reads must be
 written by an earlier stage. GRPO leaves out the critic stages; ReMax adds a greedy-baseline rollout
@@ -29,6 +30,16 @@ SEQUENCES = ("input_ids", "attention_mask", "responses", "response_mask")  # wha
 
 def stages_for(cfg: RLConfig) -> list[StageSpec]:
     """The stage list of one iteration for this config, wired and checked."""
+    if cfg.algorithm.objective == "dpo":  # the iteration's pairs, the reference's log-probs, the update
+        from engine.data.preferences import PAIR_COLUMNS
+
+        refs = ("ref_logp", "rejected_ref_logp")
+        return wire([StageSpec(name="load_preferences", task="load_preferences", reads=(), buffer="pairs",
+                               writes=(*PAIR_COLUMNS, "row_index")),
+                     StageSpec(name="compute_ref_logprobs", task="compute_pair_ref_logprobs", reads=PAIR_COLUMNS,
+                               writes=refs, buffer="ref_logprob", engine=True),
+                     StageSpec(name="update_policy", task="update_policy", engine=True, writes=(),
+                               reads=(*PAIR_COLUMNS, *refs))])
     if cfg.algorithm.objective == "sft":  # the iteration's conversations, then the update on them
         return wire([StageSpec(name="load_conversations", task="load_conversations", reads=(), buffer="sft",
                                writes=(*SEQUENCES, "row_index")),

@@ -18,6 +18,8 @@ CHARTS = (
     ("validation score", "val/score/mean", "{:.3f}"),
     ("SFT loss", "actor/sft_loss", "{:.4f}"),
     ("validation loss (SFT)", "val/loss", "{:.4f}"),
+    ("DPO loss", "actor/dpo_loss", "{:.4f}"),
+    ("preference accuracy (validation)", "val/preference_accuracy", "{:.3f}"),
     ("response length", "response_length/mean", "{:.1f}"),
     ("KL to the reference", "actor/kl", "{:.4f}"),
     ("entropy", "actor/entropy", "{:.3f}"),

@@ -149,18 +149,23 @@ class RLConfig(BaseModel):
         from engine.algos import get_adv_estimator
 
         ranks = self.trainer.world_size
-        if self.algorithm.objective == "sft":
-            self._check_sft()
+        if self.algorithm.objective != "rl":
+            self._check_offline()
         elif _differs_from_default(self.data, "max_length"):
-            raise _cross("data.max_length", self.data.max_length, "bounds SFT's conversations: it needs "
-                         "algorithm.objective=sft (a rollout's prompts: data.max_prompt_length)")
+            raise _cross("data.max_length", self.data.max_length, "bounds SFT's conversations and DPO's pairs: it "
+                         "needs algorithm.objective=sft or dpo (a rollout's prompts: data.max_prompt_length)")
+        if self.algorithm.objective != "dpo":
+            for key in ("dpo_loss", "dpo_beta"):
+                if _differs_from_default(self.algorithm, key):
+                    raise _cross(f"algorithm.{key}", getattr(self.algorithm, key), "is a setting of DPO: it needs "
+                                 "algorithm.objective=dpo")
         per_iter = self.rows_per_iteration
         if per_iter % ranks:
             raise _cross(
                 "data.train_batch_size",
                 self.data.train_batch_size,
                 (f"train_batch_size x rollout.n ({per_iter})" if self.algorithm.objective == "rl" else
-                 "its conversations") + f" must be divisible by trainer.world_size ({ranks})",
+                 "its rows") + f" must be divisible by trainer.world_size ({ranks})",
             )
         for section in ("actor", "critic"):
             mini = getattr(self, section).mini_batch_size
@@ -232,26 +237,32 @@ class RLConfig(BaseModel):
         """The training rows of an iteration: train_batch_size prompts x rollout.n responses (SFT: conversations)."""
         return self.data.train_batch_size * (self.rollout.n if self.algorithm.objective == "rl" else 1)
 
-    def _check_sft(self) -> None:
-        """algorithm.objective=sft generates, scores and compares nothing: a setting of the rollout, the
-        reward, the critic, the reference, the advantage or the policy loss is refused, as are the
-        prompts' own data settings and the split placement."""
+    def _check_offline(self) -> None:
+        """algorithm.objective=sft or dpo generates, scores and compares nothing: a setting of the rollout,
+        the reward, the critic, the advantage or the policy loss is refused (and of the reference under SFT:
+        DPO's reference is RL's), as are the prompts' own data settings and the split placement."""
+        objective = self.algorithm.objective
         inert = [*_changed(self.rollout, "rollout"), *_changed(self.reward, "reward"), *_changed(self.critic, "critic"),
-                 *_changed(self.ref, "ref"),
-                 *((k, v) for k, v in _changed(self.algorithm, "algorithm") if k != "algorithm.objective"),
+                 *(_changed(self.ref, "ref") if objective == "sft" else ()),
+                 *((k, v) for k, v in _changed(self.algorithm, "algorithm")
+                   if k not in ("algorithm.objective", "algorithm.dpo_loss", "algorithm.dpo_beta")),
                  *((k, v) for k, v in _changed(self.actor, "actor") if k.removeprefix("actor.").split(".")[0] in SFT_INERT_ACTOR),
                  *((k, v) for k, v in _changed(self.data, "data") if k in ("data.prompt_key", "data.max_prompt_length"))]
         if inert:
             key, value = inert[0]
-            raise _cross(key, value, "is a setting of RL (rollouts, rewards, advantages, the policy loss); "
-                         "algorithm.objective=sft trains on data.train_files' conversations (configs/tiny_sft.yaml "
-                         "is an SFT config)")
+            raise _cross(key, value, f"is a setting of RL (rollouts, rewards, advantages, the policy loss); "
+                         f"algorithm.objective={objective} trains on data.train_files' "
+                         f"{'conversations' if objective == 'sft' else 'preference pairs'} "
+                         f"(configs/tiny_{objective}.yaml is a config for it)")
         if self.data.truncation in ("left", "right"):
-            raise _cross("data.truncation", self.data.truncation, "algorithm.objective=sft drops a conversation "
-                         "over data.max_length (drop) or refuses it (error); cutting one is not built")
+            raise _cross("data.truncation", self.data.truncation, f"algorithm.objective={objective} drops a "
+                         "conversation over data.max_length (drop) or refuses it (error); cutting one is not built")
         if self.placement.mode == "split":
-            raise _cross("placement.mode", "split", "puts the rollout on its own pool; algorithm.objective=sft has "
-                         "no rollout (colocated)")
+            raise _cross("placement.mode", "split", f"puts the rollout on its own pool; algorithm.objective={objective} "
+                         "has no rollout (colocated)")
+        if objective == "dpo" and self.actor.max_tokens_per_micro_batch is not None:
+            raise _cross("actor.max_tokens_per_micro_batch", self.actor.max_tokens_per_micro_batch, "is not built with "
+                         "algorithm.objective=dpo (a pair's two responses are one row)")
 
     def _check_inert_sections(self) -> None:
         """A section, or a setting, that this config never runs is refused (its value would change nothing):
@@ -495,7 +506,7 @@ class RLConfig(BaseModel):
 
     @property
     def needs_ref(self) -> bool:
-        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward or self.algorithm.objective == "dpo"
 
     @property
     def rollout_correction_mode(self) -> Literal["none", "truncate", "mask"]:

@@ -197,13 +197,14 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
         check_agent(cfg.rollout.agent, EnvLimits(mt.env_step_timeout_s, mt.env_memory_mb, cfg.reward.sandbox.isolation),
                     env_files(cfg.rollout.agent))
     synthetic = None
-    sft = cfg.algorithm.objective == "sft"
+    objective = cfg.algorithm.objective
+    sft = objective != "rl"  # SFT's conversations or DPO's pairs: no prompts, no reward
     if not cfg.data.train_files:  # the synthetic data.task: demo code, its files written here
         from engine.demo.data import ensure_demonstrations, ensure_synthetic_data
 
-        synthetic = (ensure_demonstrations if sft else ensure_synthetic_data)(
-            cfg.data.task, cache_dir() / "data", train_size=cfg.data.train_size, val_size=cfg.data.val_size,
-            seed=cfg.data.seed)
+        made = cache_dir() / "data", cfg.data.train_size, cfg.data.val_size, cfg.data.seed
+        synthetic = (ensure_demonstrations(cfg.data.task, *made, kind=objective) if sft else
+                     ensure_synthetic_data(cfg.data.task, *made))
     if sft:
         train, val = _conversations(cfg, tokenizer, synthetic)
     else:
@@ -211,7 +212,7 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
                                     synthetic_files=synthetic)
     if len(train) < cfg.data.train_batch_size:
         raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} is larger than the training set "
-                          f"({len(train)} {'conversations' if sft else 'prompts'} after filtering): lower it or add data")
+                          f"({len(train)} {'rows' if sft else 'prompts'} after filtering): lower it or add data")
     engine = engine_spec(cfg, run_id, model_path, tokenizer_path)
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():  # the CLI checks again once the stack is up; a flow run has Ray
@@ -397,9 +398,11 @@ def pool_ranks(cfg: RLConfig) -> tuple[int, int]:
 
 
 def _conversations(cfg: RLConfig, tokenizer: Any, synthetic: tuple[Any, Any] | None) -> tuple[Any, Any]:
-    """algorithm.objective=sft: the train and validation conversations (engine.data.conversations), checked
-    with the run's tokenizer: its chat template must mark the assistant's tokens."""
+    """algorithm.objective=sft or dpo: the train and validation conversations (engine.data.conversations) or
+    preference pairs (engine.data.preferences), checked with the run's tokenizer: its chat template must
+    mark the assistant's tokens."""
     from engine.data.conversations import load_conversations
+    from engine.data.preferences import load_preferences
 
     data = cfg.data
     train_files, val_files = list(data.train_files), list(data.val_files)
@@ -407,8 +410,8 @@ def _conversations(cfg: RLConfig, tokenizer: Any, synthetic: tuple[Any, Any] | N
         train_files, val_files = [str(synthetic[0])], val_files or [str(synthetic[1])]
 
     def load(files: list[str], split: str) -> Any:
-        return load_conversations(files, split=split, tokenizer=tokenizer, max_length=data.max_length,
-                                  truncation=data.truncation)
+        loader = load_conversations if cfg.algorithm.objective == "sft" else load_preferences
+        return loader(files, split=split, tokenizer=tokenizer, max_length=data.max_length, truncation=data.truncation)
 
     return load(train_files, "train"), (load(val_files, "val") if val_files else None)
 
@@ -430,12 +433,15 @@ def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str
     # The ranks get the correction's mode resolved (auto: truncate for an asynchronous run, else none).
     actor = cfg.actor.model_copy(update={"rollout_correction": cfg.actor.rollout_correction.model_copy(
         update={"mode": cfg.rollout_correction_mode})})
+    if cfg.algorithm.objective == "dpo":  # the loss is a mean over pairs: micro-batches weigh by their pairs
+        actor = actor.model_copy(update={"loss_agg_mode": "seq-mean-token-sum"})
     policy = PolicySpec(
         model_path=model_path, tokenizer_path=tokenizer_path, dtype=cfg.model.dtype,
         trust_remote_code=cfg.model.trust_remote_code, rollout=cfg.rollout, actor=actor, ref=cfg.ref,
         use_ref=cfg.needs_ref, total_iterations=cfg.trainer.total_iterations, seed=cfg.trainer.seed,
         sandbox_isolation=cfg.reward.sandbox.isolation, max_model_len=cfg.max_model_len,
         max_prompt_length=cfg.data.max_prompt_length, objective=cfg.algorithm.objective,
+        dpo_loss=cfg.algorithm.dpo_loss, dpo_beta=cfg.algorithm.dpo_beta,
     )
     rm_cfg = cfg.reward.model
     reward_model = None

@@ -54,6 +54,10 @@ def notify(iteration: int, metrics: dict[str, float]) -> None:
 
 
 def summary_line(iteration: int, m: dict[str, float]) -> str:
+    if "actor/dpo_loss" in m:  # algorithm.objective=dpo
+        val = f"  val_acc {m['val/preference_accuracy']:.3f}" if "val/preference_accuracy" in m else ""
+        return (f"iter {iteration:4d}  loss {m['actor/dpo_loss']:.4f}  acc {m['actor/rewards/accuracy']:.3f}  "
+                f"margin {m['actor/rewards/margin']:+.4f}{val}  step {m.get('timing_s/step', 0.0):.1f}s")
     if "actor/sft_loss" in m:  # algorithm.objective=sft
         val = f"  val_loss {m['val/loss']:.4f}" if "val/loss" in m else ""
         return f"iter {iteration:4d}  loss {m['actor/sft_loss']:.4f}{val}  step {m.get('timing_s/step', 0.0):.1f}s"

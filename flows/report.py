@@ -17,7 +17,8 @@ from prefect.artifacts import (
 from flows import charts
 from infra.layout import artifact_key
 
-KEY_METRICS = ("critic/score/mean", "val/score/mean", "actor/sft_loss", "val/loss", "response_length/mean", "actor/pg_loss", "actor/entropy",
+KEY_METRICS = ("critic/score/mean", "val/score/mean", "actor/sft_loss", "val/loss", "actor/dpo_loss",
+               "actor/rewards/accuracy", "val/preference_accuracy", "response_length/mean", "actor/pg_loss", "actor/entropy",
                "actor/ppo_kl", "actor/grad_norm", "timing_s/step", "perf/orchestration_s")
 
 
@@ -60,6 +61,10 @@ def summary(run_id: str, history: list[dict[str, Any]], checkpoints: list[tuple[
         lines.append(f"| validation score | {val[0][1]:.3f} (iter {val[0][0]}) | {val[-1][1]:.3f} (iter {val[-1][0]}) |")
     if sft:
         lines.append(f"| SFT loss | {sft[0]:.4f} | {sft[-1]:.4f} |")
+    accuracy = [(m["iteration"], m["val/preference_accuracy"]) for m in history if "val/preference_accuracy" in m]
+    if accuracy:
+        lines.append(f"| preference accuracy (validation) | {accuracy[0][1]:.3f} (iter {accuracy[0][0]}) | "
+                     f"{accuracy[-1][1]:.3f} (iter {accuracy[-1][0]}) |")
     if val_loss:
         lines.append(f"| validation loss | {val_loss[0][1]:.4f} (iter {val_loss[0][0]}) | {val_loss[-1][1]:.4f} "
                      f"(iter {val_loss[-1][0]}) |")

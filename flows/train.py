@@ -550,7 +550,8 @@ def _validate_before(trainer: Trainer) -> None:
         metrics = validate.submit(trainer.plan, 0).result().metrics
     if metrics:
         trainer.run.runs.write_metrics(0, metrics)
-        name, key = ("loss", "val/loss") if "val/loss" in metrics else ("score", "val/score/mean")
+        name, key = next((n, k) for n, k in (("loss", "val/loss"), ("preference accuracy", "val/preference_accuracy"),
+                                             ("score", "val/score/mean")) if k in metrics)
         get_run_logger().info("iter 0: validation %s %.3f before training", name, metrics[key])
 
 

@@ -81,13 +81,15 @@ class StageContext:
 
     def dataset(self, split: str) -> PromptDataset:
         """The train or val prompts, filtered by length exactly as the train flow checked them."""
-        if split not in self._cache and self.plan.algorithm.objective == "sft":  # conversations, each one row
+        objective = self.plan.algorithm.objective
+        if split not in self._cache and objective != "rl":  # SFT's conversations or DPO's pairs, each one row
             from engine.data.conversations import load_conversations
+            from engine.data.preferences import load_preferences
 
             files = self.plan.train_files if split == "train" else self.plan.val_files
-            self._cache[split] = load_conversations(files, split=split, tokenizer=self.tokenizer,
-                                                    max_length=self.plan.data.max_length,
-                                                    truncation=self.plan.data.truncation)
+            loader = load_conversations if objective == "sft" else load_preferences
+            self._cache[split] = loader(files, split=split, tokenizer=self.tokenizer,
+                                        max_length=self.plan.data.max_length, truncation=self.plan.data.truncation)
         if split not in self._cache:
             files = self.plan.train_files if split == "train" else self.plan.val_files
             self._cache[split] = load_prompts(
@@ -133,11 +135,14 @@ class StageContext:
         return self._encode(rows, indices).repeat_interleave(self.plan.rollout.n)
 
     def conversations(self, split: str, indices: list[int]) -> Batch:
-        """algorithm.objective=sft: the conversations at `indices` as training rows (engine.data.conversations)."""
+        """algorithm.objective=sft or dpo: the conversations or preference pairs at `indices` as training rows
+        (engine.data.conversations, engine.data.preferences)."""
         from engine.data.conversations import sft_batch
+        from engine.data.preferences import preference_batch
 
         rows = self.dataset(split)
-        return sft_batch(self.tokenizer, [rows[i] for i in indices], indices)
+        build = sft_batch if self.plan.algorithm.objective == "sft" else preference_batch
+        return build(self.tokenizer, [rows[i] for i in indices], indices)
 
     def val_batch(self) -> Batch:
         rows = list(self.dataset("val"))

@@ -255,6 +255,19 @@ def load_conversations(ctx: StageContext, iteration: int, stage: StageSpec, inpu
     return _write(ctx, iteration, stage, batch, metrics)
 
 
+@graph_stage("load_preferences")
+def load_preferences(ctx: StageContext, iteration: int, stage: StageSpec, inputs: dict[str, StageResult],
+                     kl_coef: float) -> StageResult:
+    """algorithm.objective=dpo: iteration k's preference pairs (the sampler's step k-1) as training rows,
+    each holding its chosen and its rejected response (engine.data.preferences)."""
+    indices = ctx.sampler_at(iteration - 1).next_indices()
+    batch = ctx.conversations("train", indices)
+    metrics = {"dpo/chosen_tokens": float(batch["response_mask"].sum()),
+               "dpo/rejected_tokens": float(batch["rejected_response_mask"].sum())}
+    get_run_logger().info("iteration %d: %d preference pairs", iteration, len(batch))
+    return _write(ctx, iteration, stage, batch, metrics)
+
+
 def tool_metrics(batch: Batch, prefix: str) -> dict[str, float]:
     """Multi-turn rollouts: how often the responses call tools, and how often a call gets an error."""
     calls, errors = batch["tool_calls"].float(), batch["tool_errors"].float()
@@ -543,14 +556,30 @@ def _forward(call: Any, timing: str) -> Any:
     return body
 
 
+def _pair_log_probs(engine: Any, batch: Batch, version: int | None) -> Batch:
+    """algorithm.objective=dpo: the log-probs [B, T] of both responses of each pair under the frozen
+    reference (version None: `ref_logp`, `rejected_ref_logp`) or the policy at `version` (`logp`,
+    `rejected_logp`)."""
+    from engine.data.preferences import SEQUENCE_COLUMNS, rejected_view
+
+    outs = []
+    for side in (batch.select(*SEQUENCE_COLUMNS), rejected_view(batch)):
+        outs.append(engine.compute_ref_log_prob(side)["ref_logp"] if version is None else
+                    engine.compute_log_prob(side, expected_version=version)["old_logp"])
+    name = "ref_logp" if version is None else "logp"
+    return Batch({name: outs[0], f"rejected_{name}": outs[1]}, {})
+
+
 # `old_logp` and `entropy` [B, T] under the policy that generated (version k-1); `ref_logp` [B, T] under
-# the frozen reference policy; `values` [B, T] of the critic at version k-1.
+# the frozen reference policy; `values` [B, T] of the critic at version k-1; DPO's pairs: `ref_logp` and
+# `rejected_ref_logp` [B, T] under the reference.
 for _task, _call, _timing in (
     ("compute_old_logprobs", lambda engine, batch, k: engine.compute_log_prob(batch, expected_version=k - 1),
      "timing_s/old_log_prob"),
     ("compute_ref_logprobs", lambda engine, batch, k: engine.compute_ref_log_prob(batch), "timing_s/ref"),
     ("compute_values", lambda engine, batch, k: engine.compute_values(batch, expected_version=k - 1),
      "timing_s/values"),
+    ("compute_pair_ref_logprobs", lambda engine, batch, k: _pair_log_probs(engine, batch, None), "timing_s/ref"),
 ):
     graph_stage(_task)(_forward(_call, _timing))
 
@@ -645,6 +674,36 @@ def sync_weights(ctx: StageContext, iteration: int, stage: StageSpec, inputs: di
 
 # -- checkpoint and validation ---------------------------------------------------------------------
 
+def _validate_dpo(ctx: StageContext, iteration: int) -> StageResult:
+    """algorithm.objective=dpo: on the held-out pairs, the share the policy ranks right (its implicit reward
+    of the chosen response above the rejected one's, as TRL's rewards/accuracies: 0 before training, where
+    policy and reference are one; and its likelihood of the chosen one above the rejected one's), the mean
+    margin and the loss."""
+    from engine.algos import preference_loss, sequence_logp
+
+    start = time.perf_counter()
+    engine = ctx.engine("validate")
+    rows, size, algo = ctx.dataset("val"), ctx.plan.data.val_batch_size, ctx.plan.algorithm
+    parts: dict[str, list[torch.Tensor]] = {}
+    for first in range(0, len(rows), size):
+        pairs = ctx.conversations("val", list(range(first, min(first + size, len(rows)))))
+        out = _pair_log_probs(engine, pairs, iteration).with_tensors(**_pair_log_probs(engine, pairs, None).tensors)
+        masks = {"": pairs["response_mask"], "rejected_": pairs["rejected_response_mask"]}
+        for key in ("logp", "rejected_logp", "ref_logp", "rejected_ref_logp"):
+            parts.setdefault(key, []).append(sequence_logp(out[key], masks["rejected_" if "rejected" in key else ""]))
+    sums = {k: torch.cat(v) for k, v in parts.items()}
+    losses, stats = preference_loss(chosen_logp=sums["logp"], rejected_logp=sums["rejected_logp"],
+                                    ref_chosen_logp=sums["ref_logp"], ref_rejected_logp=sums["rejected_ref_logp"],
+                                    beta=algo.dpo_beta, kind=algo.dpo_loss)
+    metrics = {"val/preference_accuracy": float(stats["rewards/accuracy"].mean()),
+               # the policy alone: its likelihood of the chosen response above the rejected one's
+               "val/likelihood_accuracy": float((sums["logp"] > sums["rejected_logp"]).float().mean()),
+               "val/reward_margin": float(stats["rewards/margin"].mean()), "val/dpo_loss": float(losses.mean()),
+               "timing_s/validate": time.perf_counter() - start}
+    get_run_logger().info("iteration %d: validation preference accuracy %.3f", iteration, metrics["val/preference_accuracy"])
+    return StageResult(metrics=metrics)
+
+
 def _validate_sft(ctx: StageContext, iteration: int) -> StageResult:
     """algorithm.objective=sft: the loss on the validation conversations' assistant tokens, `val/loss` (the
     mean over all their tokens), and per source."""
@@ -694,6 +753,8 @@ def validate(plan: RunPlan, iteration: int) -> StageResult:
         return StageResult()
     if ctx.plan.algorithm.objective == "sft":
         return _validate_sft(ctx, iteration)
+    if ctx.plan.algorithm.objective == "dpo":
+        return _validate_dpo(ctx, iteration)
     prompts = ctx.val_batch()
     start = time.perf_counter()
     engine = ctx.engine("validate")

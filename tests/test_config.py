@@ -473,9 +473,19 @@ RL_SETTING = "is a setting of RL (rollouts, rewards, advantages, the policy loss
                                      "conversation over data.max_length (drop) or refuses it (error); cutting one is not built"),
     ([*SFT, "placement.mode=split"], "placement.mode='split' is not allowed: puts the rollout on its own pool; "
                                      "algorithm.objective=sft has no rollout (colocated)"),
-    (["data.max_length=64"], "data.max_length=64 is not allowed: bounds SFT's conversations: it needs "
-                             "algorithm.objective=sft (a rollout's prompts: data.max_prompt_length)"),
-    (["algorithm.objective=dpo"], "algorithm.objective='dpo' is not allowed: Input should be 'rl' or 'sft'"),
+    (["data.max_length=64"], "data.max_length=64 is not allowed: bounds SFT's conversations and DPO's pairs: it "
+                             "needs algorithm.objective=sft or dpo (a rollout's prompts: data.max_prompt_length)"),
+    (["algorithm.objective=ppo"], "algorithm.objective='ppo' is not allowed: Input should be 'rl', 'sft' or 'dpo'"),
+    (["algorithm.dpo_beta=0.5"], "algorithm.dpo_beta=0.5 is not allowed: is a setting of DPO: it needs "
+                                 "algorithm.objective=dpo"),
+    ([*SFT, "algorithm.dpo_loss=ipo"], "algorithm.dpo_loss='ipo' is not allowed: is a setting of DPO"),
+    ([*SFT, "ref.micro_batch_size=4"], f"ref.micro_batch_size=4 is not allowed: {RL_SETTING}"),
+    (["algorithm.objective=dpo", "rollout.temperature=0.7"], "rollout.temperature=0.7 is not allowed: is a setting "
+                                                             "of RL (rollouts, rewards, advantages, the policy loss); "
+                                                             "algorithm.objective=dpo trains on data.train_files' "
+                                                             "preference pairs (configs/tiny_dpo.yaml is a config for it)"),
+    (["algorithm.objective=dpo", "actor.max_tokens_per_micro_batch=64"],
+     "actor.max_tokens_per_micro_batch=64 is not allowed: is not built with algorithm.objective=dpo"),
 ])
 def test_sft_refuses_the_settings_of_rl(overrides: list[str], message: str) -> None:
     """From the model defaults (an empty YAML): the default config's RL settings would be refused first."""
@@ -485,6 +495,9 @@ def test_sft_refuses_the_settings_of_rl(overrides: list[str], message: str) -> N
     cfg = build_config(_raw([*SFT, "data.max_length=64", "actor.lora.rank=4", "actor.lr=1e-4", "data.train_batch_size=6",
                              "trainer.world_size=2", "data.truncation=error"]))
     assert cfg.rows_per_iteration == 6 and cfg.data.max_length == 64
+    dpo = build_config(_raw(["algorithm.objective=dpo", "algorithm.dpo_loss=ipo", "algorithm.dpo_beta=0.5",
+                             "ref.micro_batch_size=4", "data.max_length=64"]))
+    assert dpo.needs_ref and dpo.algorithm.dpo_loss == "ipo"  # DPO's reference is RL's, with its settings
     with pytest.raises(ConfigError, match=re.escape("rollout.val_do_sample=True is not allowed: is a setting of RL")):
         load_config(None, list(SFT))  # the default config is RL's
 

@@ -57,10 +57,14 @@ from engine.algos.policy_loss import (
     ppo_clip,
     register_policy_loss,
 )
+from engine.algos.preference import PREFERENCE_LOSSES, preference_loss, sequence_logp
 from engine.algos.value import clipped_value_loss
 
 __all__ = [
     "last_index",
+    "PREFERENCE_LOSSES",
+    "preference_loss",
+    "sequence_logp",
     "lagrangian_scores",
     "update_multiplier",
     "ADV_ESTIMATORS",

@@ -19,7 +19,7 @@ tokens, so the user turns after the first are holes in it as a multi-turn rollou
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -47,28 +47,36 @@ def load_conversations(files: Sequence[str], *, split: str, tokenizer: Any, max_
     """Load and check `files`; each row's `prompt` is its whole conversation. A conversation longer than
     `max_length` tokens (chat template applied) is dropped with a count in the log (truncation "drop")
     or refused ("error")."""
+    return load_rows(files, split=split, noun="conversations", row=_conversation, max_length=max_length,
+                     truncation=truncation, length=lambda r: len(encode_conversation(tokenizer, r.prompt, r.origin)[0]))
+
+
+def load_rows(files: Sequence[str], *, split: str, noun: str, row: Callable[[Any, str, int], PromptRow],
+              max_length: int, truncation: str, length: Callable[[PromptRow], int]) -> PromptDataset:
+    """The rows of `files`, each checked by `row(record, path, index)`; a row whose `length` is over
+    `max_length` tokens dropped with a count in the log (truncation "drop") or refused ("error")."""
     if not files:
         raise DataError(f"no {split} files given; expected one or more {FILE_KINDS}")
     rows: list[PromptRow] = []
     for path in files:
         records = _read_records(str(path))
         if not records:
-            raise DataError(f"{path}: the file has no rows; SFT needs at least one conversation")
-        rows.extend(_conversation(record, str(path), i) for i, record in enumerate(records))
+            raise DataError(f"{path}: the file has no rows; expected {noun}")
+        rows.extend(row(record, str(path), i) for i, record in enumerate(records))
     kept = []
-    for row in rows:
-        n = len(encode_conversation(tokenizer, row.prompt, row.origin)[0])
+    for found in rows:
+        n = length(found)
         if n <= max_length:
-            kept.append(row)
+            kept.append(found)
         elif truncation == "error":
-            raise DataError(f"{split} row {row.origin} has {n} tokens, over data.max_length={max_length} "
+            raise DataError(f"{split} row {found.origin} has {n} tokens, over data.max_length={max_length} "
                             "(data.truncation=error); raise the limit, or set data.truncation=drop")
     if not kept:
-        raise DataError(f"every one of the {len(rows)} {split} conversations in {', '.join(map(str, files))} is longer "
+        raise DataError(f"every one of the {len(rows)} {split} {noun} in {', '.join(map(str, files))} is longer "
                         f"than data.max_length={max_length} tokens; raise data.max_length or use shorter ones")
     if len(kept) < len(rows):
-        log.warning("dropped %d of %d %s conversations longer than data.max_length=%d tokens", len(rows) - len(kept),
-                    len(rows), split, max_length)
+        log.warning("dropped %d of %d %s %s longer than data.max_length=%d tokens", len(rows) - len(kept), len(rows),
+                    split, noun, max_length)
     return PromptDataset(kept, [str(p) for p in files], split)
 
 
@@ -97,15 +105,16 @@ def _render(tokenizer: Any, messages: list[Message], generation_prompt: bool) ->
     return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt))
 
 
-def assistant_spans(tokenizer: Any, messages: list[Message], origin: str = "") -> tuple[str, list[tuple[int, int]]]:
-    """The conversation as the chat template writes it, and the character span of each assistant turn:
-    from the end of the text rendered up to it with the generation prompt, to the end of the text rendered
-    through it. The template must write a conversation as the prefix of its continuation (every chat
-    template of a causal model does); one that does not is refused, naming the row."""
+def assistant_spans(tokenizer: Any, messages: list[Message], origin: str = "", first: int = 0
+                    ) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation as the chat template writes it, and the character span of each assistant turn
+    from message `first` on: from the end of the text rendered up to it with the generation prompt, to the
+    end of the text rendered through it. The template must write a conversation as the prefix of its
+    continuation (every chat template of a causal model does); one that does not is refused, naming the row."""
     text = _render(tokenizer, messages, False)
     spans = []
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or i < first:
             continue
         before, through = _render(tokenizer, messages[:i], True) if i else "", _render(tokenizer, messages[: i + 1], False)
         if not (through.startswith(before) and text.startswith(through)):
@@ -116,10 +125,11 @@ def assistant_spans(tokenizer: Any, messages: list[Message], origin: str = "") -
     return text, spans
 
 
-def encode_conversation(tokenizer: Any, messages: list[Message], origin: str = "") -> tuple[list[int], list[bool]]:
+def encode_conversation(tokenizer: Any, messages: list[Message], origin: str = "", first: int = 0
+                        ) -> tuple[list[int], list[bool]]:
     """The conversation's token ids (chat template applied) and which of them train: a token trains when
-    its first character is in an assistant turn's span (`assistant_spans`)."""
-    text, spans = assistant_spans(tokenizer, messages, origin)
+    its first character is in the span of an assistant turn from message `first` on (`assistant_spans`)."""
+    text, spans = assistant_spans(tokenizer, messages, origin, first)
     if not getattr(tokenizer, "is_fast", False):
         raise DataError("SFT finds the assistant's tokens by their character offsets, which only a fast tokenizer "
                         f"gives; {type(tokenizer).__name__} is not one")
@@ -138,16 +148,22 @@ def sft_batch(tokenizer: Any, rows: Sequence[PromptRow], indices: Sequence[int])
     """The rows as training rows in a rollout's layout: input_ids and attention_mask [B, P+T] (the part
     before the first trained token left padded to P, the rest right padded to T), responses and
     response_mask [B, T] (1 on the trained tokens), row_index [B]."""
-    pad = int(tokenizer.pad_token_id)
+    encoded = [encode_conversation(tokenizer, row.prompt, row.origin) for row in rows]
+    return Batch({**training_rows(encoded, int(tokenizer.pad_token_id)),
+                  "row_index": torch.tensor(list(indices), dtype=torch.long)}, {})
+
+
+def training_rows(encoded: Sequence[tuple[list[int], list[bool]]], pad: int) -> dict[str, torch.Tensor]:
+    """(ids, trained) of each row -> input_ids, attention_mask, responses, response_mask as `sft_batch` lays
+    them out."""
     heads, tails, masks = [], [], []
-    for row in rows:
-        ids, trained = encode_conversation(tokenizer, row.prompt, row.origin)
+    for ids, trained in encoded:
         first = trained.index(True)
         heads.append(ids[:first])
         tails.append(ids[first:])
         masks.append(trained[first:])
     p, t = max(map(len, heads)), max(map(len, tails))
-    b = len(rows)
+    b = len(encoded)
     prompt = torch.full((b, p), pad, dtype=torch.long)
     prompt_mask = torch.zeros((b, p), dtype=torch.long)
     responses = torch.full((b, t), pad, dtype=torch.long)
@@ -159,9 +175,8 @@ def sft_batch(tokenizer: Any, rows: Sequence[PromptRow], indices: Sequence[int])
         responses[r, : len(tail)] = torch.tensor(tail)
         real[r, : len(tail)] = 1
         response_mask[r, : len(tail)] = torch.tensor(mask, dtype=torch.long)
-    return Batch({"input_ids": torch.cat([prompt, responses], dim=1), "attention_mask": torch.cat([prompt_mask, real], dim=1),
-                  "responses": responses, "response_mask": response_mask,
-                  "row_index": torch.tensor(list(indices), dtype=torch.long)}, {})
+    return {"input_ids": torch.cat([prompt, responses], dim=1), "attention_mask": torch.cat([prompt_mask, real], dim=1),
+            "responses": responses, "response_mask": response_mask}
 
 
 def demonstrations(rows: list[dict[str, Any]], solution: Any) -> list[dict[str, Any]]:

@@ -58,20 +58,28 @@ def ensure_synthetic_data(
 
 
 def ensure_demonstrations(
-    task: str, out_dir: str | os.PathLike[str], train_size: int, val_size: int, seed: int
+    task: str, out_dir: str | os.PathLike[str], train_size: int, val_size: int, seed: int, kind: str = "sft"
 ) -> tuple[Path, Path]:
-    """algorithm.objective=sft without data.train_files: the synthetic task's rows as SFT conversations (the
-    prompt, then the task's reference answer as the assistant's turn), written on first use as
-    `ensure_synthetic_data`'s files are, with the same rows."""
-    from engine.data.conversations import demonstrations
+    """algorithm.objective=sft or dpo without data.train_files: the synthetic task's rows as SFT
+    conversations (kind "sft": the prompt, then the task's reference answer as the assistant's turn) or as
+    preference pairs ("dpo": the reference answer chosen, a wrong one rejected: sort and arith only),
+    written on first use as `ensure_synthetic_data`'s files are, with the same rows."""
+    import pyarrow.parquet as pq
 
+    from engine.data.conversations import demonstrations
+    from engine.data.preferences import preference_pairs
+
+    if kind == "dpo" and task not in ("sort", "arith"):
+        raise DataError(f"data.task={task!r} has no synthetic preference pairs (sort and arith have); give "
+                        "data.train_files with prompt, chosen and rejected columns")
     prompts = ensure_synthetic_data(task, out_dir, train_size, val_size, seed)
     out = []
     for path in prompts:
-        target = path.with_name(path.name.replace(f"{task}_", f"{task}_sft_", 1))
+        target = path.with_name(path.name.replace(f"{task}_", f"{task}_{kind}_", 1))
         if not target.exists():
-            import pyarrow.parquet as pq
-
-            write_rows_parquet(demonstrations(pq.read_table(path).to_pylist(), synthetic.solution_text), target)
+            rows = pq.read_table(path).to_pylist()
+            made = (demonstrations(rows, synthetic.solution_text) if kind == "sft" else
+                    preference_pairs(rows, synthetic.solution_text, synthetic.wrong_solution))
+            write_rows_parquet(made, target)
         out.append(target)
     return out[0], out[1]

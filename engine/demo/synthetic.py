@@ -164,3 +164,15 @@ def solution_text(row: Row) -> str:
         if spec.data_source == row["data_source"]:
             return spec.solution(row["reward_model"]["ground_truth"])
     raise ValueError(f"row has data_source {row['data_source']!r}, not a synthetic task")
+
+
+def wrong_solution(row: Row) -> str:
+    """A wrong answer of the reference's shape for a sort or arith row (a synthetic preference pair's
+    rejected response): the digits in descending order where that differs, else one dropped; the sum plus one."""
+    truth = str(row["reward_model"]["ground_truth"])
+    if row["data_source"] == TASKS["sort"].data_source:
+        return f"#### {truth[::-1] if truth[::-1] != truth else truth[:-1]}"
+    if row["data_source"] == TASKS["arith"].data_source:
+        return f"#### {int(truth) + 1}"
+    raise ValueError(f"no wrong answer for data_source {row['data_source']!r}: synthetic preference pairs are built "
+                     "for the sort and arith tasks")

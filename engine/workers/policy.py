@@ -276,6 +276,8 @@ class PolicyWorker(RankWorker):
         cfg = self.spec.actor
         length = self.spec.rollout.max_new_tokens  # Dr. GRPO's constant normalizer (algos.agg)
         mask = micro["response_mask"]
+        if self.spec.objective == "dpo":
+            return self._pair_loss(micro)
         if self.spec.objective == "sft":  # the negative log-likelihood of the assistant's tokens (token-mean)
             logp = algos.logprobs_from_logits(response_logits(self.actor, micro, 1.0, cfg.forward_layout),
                                               micro["responses"])
@@ -320,6 +322,29 @@ class PolicyWorker(RankWorker):
             stats["actor/kl_loss"] = kl.detach()
         stats["actor/loss"] = loss.detach()  # pg_loss - entropy_coeff * entropy + kl_loss_coef * kl_loss
         return loss, stats
+
+    def _pair_loss(self, micro: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """algorithm.objective=dpo: DPO's or IPO's loss (engine.algos.preference), the mean over the
+        micro-batch's pairs; each row holds a pair (engine.data.preferences), and the update weighs
+        micro-batches by their pairs (the flow sets actor.loss_agg_mode to seq-mean-token-sum)."""
+        from engine.data.preferences import rejected_view
+
+        layout = self.spec.actor.forward_layout
+        rejected = rejected_view(micro)
+        sums = [algos.sequence_logp(algos.logprobs_from_logits(response_logits(self.actor, side, 1.0, layout),
+                                                               side["responses"]), side["response_mask"])
+                for side in (micro, rejected)]
+        losses, stats = algos.preference_loss(
+            chosen_logp=sums[0], rejected_logp=sums[1],
+            ref_chosen_logp=algos.sequence_logp(micro["ref_logp"], micro["response_mask"]),
+            ref_rejected_logp=algos.sequence_logp(micro["rejected_ref_logp"], rejected["response_mask"]),
+            beta=self.spec.dpo_beta, kind=self.spec.dpo_loss)
+        real = (micro["response_mask"].sum(dim=-1) > 0).to(losses.dtype)  # an empty micro-batch's row counts 0
+        pairs = real.sum().clamp(min=1)
+        loss = (losses * real).sum() / pairs
+        out = {f"actor/{k}": (v * real).sum() / pairs for k, v in stats.items()}
+        out.update({"actor/dpo_loss": loss.detach(), "actor/loss": loss.detach()})
+        return loss, out
 
     # -- weights -----------------------------------------------------------------------------------
     def sync_rollout_weights(self) -> dict[str, float]:

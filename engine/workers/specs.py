@@ -33,7 +33,9 @@ class PolicySpec(BaseModel):
     sandbox_isolation: Literal["bwrap", "none"] = "bwrap"  # reward.sandbox.isolation: how tool calls are confined
     max_model_len: int = 2048  # rollout.name=vllm: the engine's longest prompt + response (RLConfig.max_model_len)
     max_prompt_length: int = 1024  # data.max_prompt_length: rollout.env pads an episode's prompt to it
-    objective: Literal["rl", "sft"] = "rl"  # algorithm.objective: the update's loss
+    objective: Literal["rl", "sft", "dpo"] = "rl"  # algorithm.objective: the update's loss
+    dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"  # algorithm.dpo_loss
+    dpo_beta: float = 0.1  # algorithm.dpo_beta
 
 
 class CriticSpec(BaseModel):

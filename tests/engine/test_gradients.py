@@ -192,6 +192,40 @@ def test_sft_gradient_equals_one_process(engine: Engine, model_dir: Path) -> Non
         assert err <= REL_TOL, (micro, err)
 
 
+def test_dpo_gradient_equals_one_process(engine: Engine, model_dir: Path) -> None:
+    """algorithm.objective=dpo: DPO's loss (beta 0.1) averaged over 10 pairs, each row a pair (the chosen
+    and the rejected response of one prompt, each side padded to its own width), against a reference
+    whose log-probs are the stage's column; micro-batches weigh by their pairs."""
+    from engine.data.preferences import preference_batch, rejected_view
+    from engine.data.prompts import PromptRow
+
+    rows = make_rows("arith", 10, seed=5)
+    pairs = [PromptRow(row["prompt"], "p", None, {"chosen": [{"role": "assistant", "content": f"#### {row['reward_model']['ground_truth']}"}],
+                                                  "rejected": [{"role": "assistant", "content": f"#### {i * 37}" + "0" * (i % 3)}]})
+             for i, row in enumerate(rows)]
+    batch = preference_batch(load_tokenizer(str(model_dir)), pairs, list(range(10)))
+    gen = torch.Generator().manual_seed(1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    sides = [batch, rejected_view(batch)]
+    with torch.no_grad():  # a reference near the model: some pairs ranked right, some wrong
+        refs = [algos.logprobs_from_logits(response_logits(model, side, 1.0, "padded"), side["responses"])
+                + 0.3 * torch.randn(side["responses"].shape, generator=gen) for side in sides]
+    batch = batch.with_tensors(ref_logp=refs[0], rejected_ref_logp=refs[1])
+    sums = [algos.sequence_logp(algos.logprobs_from_logits(response_logits(model, side, 1.0, "padded"), side["responses"]),
+                                side["response_mask"]) for side in sides]
+    ref_sums = [algos.sequence_logp(ref, side["response_mask"]) for ref, side in zip(refs, sides)]
+    margin = 0.1 * ((sums[0] - ref_sums[0]) - (sums[1] - ref_sums[1]))
+    assert 0 < int((margin > 0).sum()) < 10
+    (-torch.nn.functional.logsigmoid(margin).mean()).backward()
+    want = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    for micro in (1, 3, 10):
+        got = engine.policy.call("gradients", batch, mode="dp", micro_batch_size=micro, objective="dpo",
+                                 loss_agg_mode="seq-mean-token-sum")[0]
+        err = relative_error(got, want)
+        print(f"dpo {engine.spec.world_size} rank(s) micro {micro}: relative error {err:.2e}")
+        assert err <= REL_TOL, (micro, err)
+
+
 @pytest.mark.parametrize("mode", algos.LOSS_AGG_MODES)
 def test_critic_gradient_equals_one_process(engine: Engine, batch: Batch, model_dir: Path, mode: str,
                                             critic_head: dict[str, torch.Tensor]) -> None:

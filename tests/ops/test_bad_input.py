@@ -169,6 +169,15 @@ def test_sft_data_without_an_assistant_turn(offline: Offline, tmp_path: Path) ->
                      "least one"), error
 
 
+def test_preference_data_without_a_rejected_column(offline: Offline, tmp_path: Path) -> None:
+    """`rlflow train configs/tiny_dpo.yaml` on pairs with no rejected response: one line naming the row."""
+    pairs = [{"prompt": f"{i} + 1?", "chosen": f"#### {i + 1}"} for i in range(GOOD_ROWS)]
+    path = _parquet(tmp_path / "pairs.parquet", pairs)
+    error, _ = offline.train(f"data.train_files=[{path}]", config=str(REPO / "configs" / "tiny_dpo.yaml"))
+    assert error == (f"rlflow: error: {path}: row 0: key 'rejected': missing; DPO needs a chosen and a rejected "
+                     "response to each prompt"), error
+
+
 # --------------------------------------------------------------------------------------- rewards
 
 REWARDS = '''

@@ -1,4 +1,4 @@
-"""Supervised fine-tuning (`rlflow sft`, algorithm.objective=sft) through the real CLI, stack, Prefect deployment and
+"""Supervised fine-tuning (`rlflow sft`, algorithm.objective=sft) and DPO through the real CLI, stack, Prefect deployment and
 storage, on two ranks: the sort task's demonstrations (each prompt with its reference answer as the
 assistant's turn), 4 iterations of 8 conversations, two optimizer steps each.
 
@@ -32,6 +32,7 @@ from tests.services import Cli, WarmCli
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ITERATIONS = 4
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_sft.yaml"
+DPO_CONFIG = CONFIG.with_name("tiny_dpo.yaml")
 FAULT = ("debug.fail_stage=update_policy", f"debug.fail_times={RETRIES + 1}", "debug.fail_iteration=2")
 
 
@@ -127,3 +128,37 @@ def test_retry_then_kill_and_resume_of_an_sft_run(cli: Cli, warm_cli: WarmCli, t
     assert all(after[k] == v for k, v in kept.items())  # nothing complete was written again
     assert_equal_weights(weights(root, name), reference["weights"])
     assert [m.get("actor/sft_loss") for m in metrics(root, name)] == [m.get("actor/sft_loss") for m in reference["metrics"]]
+
+
+def test_a_dpo_run_against_the_base_model_as_its_reference(warm_cli: WarmCli, tiny_model_dir: Path,
+                                                           tmp_path: Path) -> None:
+    import math
+
+    from transformers import AutoModelForCausalLM
+
+    from engine import algos
+    from engine.data.preferences import rejected_view
+    from engine.workers.policy import response_logits
+
+    root = tmp_path / "runs"
+    proc = warm_cli("train", str(DPO_CONFIG), f"model.path={tiny_model_dir}", f"storage.root={root}",
+                    "trainer.run_id=dpo", "trainer.total_iterations=2", "trainer.world_size=2", "trainer.val_every=2",
+                    "data.train_size=64", "data.val_size=16", "data.train_batch_size=8", "actor.mini_batch_size=8",
+                    "actor.micro_batch_size=2", "actor.lr=1e-3", "actor.lora.rank=4", "actor.lora.alpha=8")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads((root / "dpo" / "metrics" / f"iter_{i:06d}.json").read_text()) for i in range(3)]
+    # one optimizer step an iteration, so iteration 1's loss is the base's: LoRA's B = 0, the policy is the reference
+    assert lines[1]["actor/dpo_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    # held out: the implicit reward margin from 0 (measured 1e-8) to positive (0.0114), the loss from log 2 down
+    assert abs(lines[0]["val/reward_margin"]) < 1e-5 and lines[2]["val/reward_margin"] > 0.005, lines
+    assert lines[0]["val/dpo_loss"] == pytest.approx(math.log(2), abs=1e-5) and lines[2]["val/dpo_loss"] < 0.690, lines
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    for i in (1, 2):
+        pairs, ref = buffer(root, "dpo", i, "pairs"), buffer(root, "dpo", i, "ref_logprob")
+        for side, column in ((pairs, "ref_logp"), (rejected_view(pairs), "rejected_ref_logp")):
+            with torch.no_grad():
+                want = algos.logprobs_from_logits(response_logits(base, side, 1.0, "padded"), side["responses"])
+            mask = side["response_mask"].bool()
+            assert float((ref[column] - want)[mask].abs().max()) < 1e-5, (i, column)
+        frame = pd.read_parquet(root / "dpo" / "buffers" / f"iter_{i:06d}" / "pairs.parquet")
+        assert len(frame) == 8 and "rejected_responses" in frame
