@@ -55,6 +55,11 @@ def compute_advantages(
         )
         metrics["actor/reward_kl_penalty"] = float(stats["reward_kl_penalty"])
         metrics["actor/reward_kl_penalty_coeff"] = kl_coef
+    if cfg.objective == "distill":  # on-policy distillation: each token's advantage is its negated reverse KL
+        adv = algos.distillation_advantages(student_logp=batch["rollout_logp"], teacher_logp=batch["teacher_logp"],
+                                            response_mask=mask)
+        metrics["distill/reverse_kl"] = -float(algos.masked_mean(adv, mask))
+        return batch.with_tensors(token_rewards=adv, adv=adv, returns=adv), metrics
     estimator = algos.get_adv_estimator(cfg.adv_estimator)
     adv, returns = estimator(
         token_rewards=token_rewards,

@@ -398,15 +398,26 @@ class RefConfig(Section):
                                                    "(as actor.max_tokens_per_micro_batch)")
 
 
+class TeacherConfig(Section):
+    """On-policy distillation (algorithm.objective=distill): the frozen teacher that scores every token the
+    student samples, loaded in every policy rank (colocated) and restarted and reattached with them."""
+
+    path: str | None = Field(None, description="a local Hugging Face causal LM directory with the student's "
+                             "tokenizer (the same vocabulary and chat template); needs algorithm.objective=distill")
+    micro_batch_size: int = Field(32, gt=0, description="sequences per teacher forward per rank")
+
+
 class AlgorithmConfig(Section):
     """The advantage estimator, the in-reward KL and the iteration's extra stages."""
 
-    objective: Literal["rl", "sft", "dpo"] = Field(
+    objective: Literal["rl", "sft", "dpo", "distill"] = Field(
         "rl", description="what an iteration trains: rl (rollouts, rewards, advantages, the policy loss), sft "
         "(supervised fine-tuning on data.train_files' chat conversations, the loss on the assistant tokens only; "
         "validation is the loss on data.val_files) or dpo (preference pairs: prompt, chosen, rejected; the "
         "frozen reference is the base model, or the actor with its LoRA adapters off; validation is the "
-        "preference accuracy on data.val_files)")
+        "preference accuracy on data.val_files) or distill (on-policy distillation: the student samples, "
+        "teacher.path scores every sampled token, and the per-token reverse KL, log p_student - log p_teacher, is "
+        "the negative advantage; the reward function scores the responses as a metric and for validation)")
     dpo_loss: Literal["sigmoid", "ipo"] = Field("sigmoid", description="algorithm.objective=dpo: the loss of a pair, "
                                                 "DPO's -log sigmoid(beta * margin) or IPO's (margin - 1/(2 beta))^2")
     dpo_beta: float = Field(0.1, gt=0, description="algorithm.objective=dpo: beta, the strength of the reference "

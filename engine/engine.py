@@ -235,6 +235,9 @@ class Engine:
     def compute_log_prob(self, batch: Batch, *, expected_version: int | None) -> Batch:
         return self.policy.call("compute_log_prob", batch, mode="dp", expected_version=expected_version)
 
+    def compute_teacher_log_prob(self, batch: Batch) -> Batch:
+        return self.policy.call("compute_teacher_log_prob", batch, mode="dp")
+
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         return self.policy.call("compute_ref_log_prob", batch, mode="dp")
 

@@ -60,6 +60,10 @@ def stages_for(cfg: RLConfig) -> list[StageSpec]:
         stages.append(StageSpec(name="generate_baseline", task="generate_baseline", reads=(), engine=True,
                                 buffer="baseline", writes=("baseline_responses", "baseline_response_mask",
                                                            "baseline_response_text")))
+    distill = cfg.algorithm.objective == "distill"
+    if distill:  # the teacher's log-prob of every sampled token (its reverse KL to the student: the advantage)
+        stages.append(StageSpec(name="compute_teacher_logprobs", task="compute_teacher_logprobs", reads=SEQUENCES,
+                                writes=("teacher_logp",), buffer="teacher_logprob", engine=True))
     rm = cfg.reward.model.enabled  # a learned reward model: an engine call, on the prompts of the rows
     stages.append(StageSpec(name="score_rewards", task="score_rewards", engine=rm, buffer="reward",
                             reads=(*SCORED, "response_mask", *(["row_index"] if rm else []),
@@ -95,7 +99,8 @@ def stages_for(cfg: RLConfig) -> list[StageSpec]:
     corrected = cfg.rollout_correction_mode != "none"  # the update corrects by the rollout's own log-probs
     carried = [c for c, on in (("old_logp", cfg.needs_old_logp), ("ref_logp", cfg.needs_ref),
                                ("values", cfg.critic.enable), ("rollout_logp", corrected)) if on]
-    adv_reads = [*SEQUENCES, "row_index", "group_id", "token_scores", *carried, *extra_scores]
+    adv_reads = [*SEQUENCES, "row_index", "group_id", "token_scores", *carried, *extra_scores,
+                 *(["teacher_logp", *([] if corrected else ["rollout_logp"])] if distill else [])]
     if spec.needs_baseline:
         adv_reads.append("baseline_score")
     if cfg.safe_rl:

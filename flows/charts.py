@@ -19,6 +19,7 @@ CHARTS = (
     ("SFT loss", "actor/sft_loss", "{:.4f}"),
     ("validation loss (SFT)", "val/loss", "{:.4f}"),
     ("DPO loss", "actor/dpo_loss", "{:.4f}"),
+    ("reverse KL to the teacher", "distill/reverse_kl", "{:.4f}"),
     ("preference accuracy (validation)", "val/preference_accuracy", "{:.3f}"),
     ("response length", "response_length/mean", "{:.1f}"),
     ("KL to the reference", "actor/kl", "{:.4f}"),

@@ -28,6 +28,7 @@ from engine.config import (
     RewardConfig,
     RolloutConfig,
     Section,
+    TeacherConfig,
     comma_list,
 )
 from engine.errors import ConfigError
@@ -138,6 +139,7 @@ class RLConfig(BaseModel):
     ref: RefConfig = Field(default_factory=RefConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
@@ -149,7 +151,13 @@ class RLConfig(BaseModel):
         from engine.algos import get_adv_estimator
 
         ranks = self.trainer.world_size
-        if self.algorithm.objective != "rl":
+        if self.algorithm.objective == "distill":
+            self._check_distill()
+        elif _changed_any(self.teacher):
+            key, value = next(iter(_changed(self.teacher, "teacher")))
+            raise _cross(key, value, "is a setting of on-policy distillation's teacher: it needs "
+                         "algorithm.objective=distill")
+        if self.algorithm.objective in ("sft", "dpo"):
             self._check_offline()
         elif _differs_from_default(self.data, "max_length"):
             raise _cross("data.max_length", self.data.max_length, "bounds SFT's conversations and DPO's pairs: it "
@@ -164,7 +172,7 @@ class RLConfig(BaseModel):
             raise _cross(
                 "data.train_batch_size",
                 self.data.train_batch_size,
-                (f"train_batch_size x rollout.n ({per_iter})" if self.algorithm.objective == "rl" else
+                (f"train_batch_size x rollout.n ({per_iter})" if self.algorithm.objective in ("rl", "distill") else
                  "its rows") + f" must be divisible by trainer.world_size ({ranks})",
             )
         for section in ("actor", "critic"):
@@ -176,7 +184,7 @@ class RLConfig(BaseModel):
                     f"must be divisible by trainer.world_size ({ranks})",
                 )
         spec = get_adv_estimator(self.algorithm.adv_estimator)
-        if spec.group_based and self.rollout.n < 2:
+        if spec.group_based and self.rollout.n < 2 and self.algorithm.objective == "rl":
             raise _cross(
                 "rollout.n",
                 self.rollout.n,
@@ -235,7 +243,27 @@ class RLConfig(BaseModel):
     @property
     def rows_per_iteration(self) -> int:
         """The training rows of an iteration: train_batch_size prompts x rollout.n responses (SFT: conversations)."""
-        return self.data.train_batch_size * (self.rollout.n if self.algorithm.objective == "rl" else 1)
+        return self.data.train_batch_size * (self.rollout.n if self.algorithm.objective in ("rl", "distill") else 1)
+
+    def _check_distill(self) -> None:
+        """algorithm.objective=distill: a teacher, and none of what its advantage replaces (the estimator,
+        the critic, the KL in the reward, dynamic sampling); what is not built with it is refused."""
+        if self.teacher.path is None:
+            raise _cross("algorithm.objective", "distill", "needs teacher.path, the model that scores the "
+                         "student's tokens")
+        algo = self.algorithm
+        replaced = [*((f"algorithm.{k}", getattr(algo, k)) for k in ("adv_estimator", "gamma", "lam", "norm_adv_by_std",
+                                                                    "use_kl_in_reward", "filter_groups")
+                      if _differs_from_default(algo, k)),
+                    *(("critic.enable", True),) * self.critic.enable]
+        if replaced:
+            key, value = replaced[0]
+            raise _cross(key, value, "is replaced under algorithm.objective=distill: the advantage of each token is "
+                         "its reverse KL to the teacher, negated")
+        for key, value in (("rollout.multi_turn.enable", self.rollout.multi_turn.enable or None),
+                           ("rollout.partial_tokens", self.rollout.partial_tokens)):
+            if value is not None:
+                raise _cross(key, value, "is not built with algorithm.objective=distill")
 
     def _check_offline(self) -> None:
         """algorithm.objective=sft or dpo generates, scores and compares nothing: a setting of the rollout,
@@ -588,6 +616,10 @@ def _changed(section: BaseModel, prefix: str) -> Iterator[tuple[str, Any]]:
             yield from _changed(value, f"{prefix}.{key}")
         elif _differs_from_default(section, key):
             yield f"{prefix}.{key}", value
+
+
+def _changed_any(section: BaseModel) -> bool:
+    return next(iter(_changed(section, "")), None) is not None
 
 
 def _differs_from_default(section: BaseModel, key: str) -> bool:

@@ -181,6 +181,8 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
         check_has_code("model.trust_remote_code", model_path, tokenizer_path)
     tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=cfg.model.trust_remote_code)
     tools = describe(load_tools(cfg.rollout.multi_turn.tools)) if cfg.rollout.multi_turn.enable else None
+    if cfg.teacher.path is not None:  # distillation: the teacher reads the student's tokens
+        check_teacher(cfg.teacher.path, tokenizer, cfg.model.trust_remote_code)
     if cfg.rollout.env is not None:  # the class is imported in the sandbox, as its episodes will import it
         from engine.rollout.envs import EnvLimits, check_chat_template, check_env, env_files
 
@@ -198,7 +200,7 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
                     env_files(cfg.rollout.agent))
     synthetic = None
     objective = cfg.algorithm.objective
-    sft = objective != "rl"  # SFT's conversations or DPO's pairs: no prompts, no reward
+    sft = objective in ("sft", "dpo")  # SFT's conversations or DPO's pairs: no prompts, no reward
     if not cfg.data.train_files:  # the synthetic data.task: demo code, its files written here
         from engine.demo.data import ensure_demonstrations, ensure_synthetic_data
 
@@ -397,6 +399,23 @@ def pool_ranks(cfg: RLConfig) -> tuple[int, int]:
     return rollout_ranks, rm_ranks
 
 
+def check_teacher(path: str, tokenizer: Any, trust_remote_code: bool) -> None:
+    """On-policy distillation compares the teacher's and the student's log-probs token by token: the teacher
+    must be a model folder whose tokenizer is the student's (the same ids for the same strings)."""
+    from engine.models.loading import load_tokenizer
+
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"teacher.path={path!r} is not allowed: no model folder there (a config.json); give a "
+                          "local Hugging Face causal LM")
+    theirs = load_tokenizer(path, trust_remote_code=trust_remote_code)
+    mine, other = tokenizer.get_vocab(), theirs.get_vocab()
+    differ = sum(1 for token, i in mine.items() if other.get(token) != i) + sum(1 for t in other if t not in mine)
+    if differ or theirs.pad_token_id != tokenizer.pad_token_id or theirs.eos_token_id != tokenizer.eos_token_id:
+        raise ConfigError(f"teacher.path={path!r} is not allowed: its tokenizer differs from the student's ({differ} "
+                          f"of {max(len(mine), len(other))} tokens differ, or the pad or end token): distillation "
+                          "compares log-probs token by token, so teacher and student need the same tokenizer")
+
+
 def _conversations(cfg: RLConfig, tokenizer: Any, synthetic: tuple[Any, Any] | None) -> tuple[Any, Any]:
     """algorithm.objective=sft or dpo: the train and validation conversations (engine.data.conversations) or
     preference pairs (engine.data.preferences), checked with the run's tokenizer: its chat template must
@@ -442,6 +461,8 @@ def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str
         sandbox_isolation=cfg.reward.sandbox.isolation, max_model_len=cfg.max_model_len,
         max_prompt_length=cfg.data.max_prompt_length, objective=cfg.algorithm.objective,
         dpo_loss=cfg.algorithm.dpo_loss, dpo_beta=cfg.algorithm.dpo_beta,
+        teacher_path=str(Path(cfg.teacher.path).resolve()) if cfg.teacher.path else None,
+        teacher_micro_batch_size=cfg.teacher.micro_batch_size,
     )
     rm_cfg = cfg.reward.model
     reward_model = None

@@ -62,6 +62,8 @@ def summary_line(iteration: int, m: dict[str, float]) -> str:
         val = f"  val_loss {m['val/loss']:.4f}" if "val/loss" in m else ""
         return f"iter {iteration:4d}  loss {m['actor/sft_loss']:.4f}{val}  step {m.get('timing_s/step', 0.0):.1f}s"
     val = f"  val {m['val/score/mean']:.3f}" if "val/score/mean" in m else ""
+    if "distill/reverse_kl" in m:  # algorithm.objective=distill: the student's reverse KL to the teacher
+        val += f"  rkl {m['distill/reverse_kl']:.4f}"
     return (f"iter {iteration:4d}  reward {m.get('critic/score/mean', float('nan')):.3f}{val}  "
             f"len {m.get('response_length/mean', float('nan')):5.1f}  "
             f"pg_loss {m.get('actor/pg_loss', float('nan')):+.4f}  step {m.get('timing_s/step', 0.0):.1f}s")

@@ -82,7 +82,7 @@ class StageContext:
     def dataset(self, split: str) -> PromptDataset:
         """The train or val prompts, filtered by length exactly as the train flow checked them."""
         objective = self.plan.algorithm.objective
-        if split not in self._cache and objective != "rl":  # SFT's conversations or DPO's pairs, each one row
+        if split not in self._cache and objective in ("sft", "dpo"):  # SFT's conversations or DPO's pairs, each one row
             from engine.data.conversations import load_conversations
             from engine.data.preferences import load_preferences
 

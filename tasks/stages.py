@@ -580,6 +580,7 @@ for _task, _call, _timing in (
     ("compute_values", lambda engine, batch, k: engine.compute_values(batch, expected_version=k - 1),
      "timing_s/values"),
     ("compute_pair_ref_logprobs", lambda engine, batch, k: _pair_log_probs(engine, batch, None), "timing_s/ref"),
+    ("compute_teacher_logprobs", lambda engine, batch, k: engine.compute_teacher_log_prob(batch), "timing_s/teacher"),
 ):
     graph_stage(_task)(_forward(_call, _timing))
 

@@ -202,9 +202,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 # the suite then ends on short files instead of one worker finishing a long one alone.
 # Seconds of items per file in a fresh-clone run of 384f30b (two workers, 2026-12-03), longest first. Two
 # workers take whole files (--dist loadfile) in this order: the longest start first and the tail is short
-# files. xdist would re-sort the files by their number of tests (pyproject: --no-loadscope-reorder).
+# files. xdist would re-sort the files by their number of tests (pyproject: --no-loadscope-reorder). Placed
+# by their time alone on 2026-12-05: ops/test_post_training.py (240 s), ops/test_envs.py (~220 s).
 _LONGEST_FIRST = ("ops/test_faults.py", "pipeline/test_every_field.py", "ops/test_multi_turn.py", "pipeline/test_algorithms.py", "engine/test_engine.py",
-                  "ops/test_async.py", "pipeline/test_reward_model.py", "ops/test_cluster.py", "ops/test_bad_input.py",
+                  "ops/test_post_training.py", "ops/test_envs.py", "ops/test_async.py", "pipeline/test_reward_model.py", "ops/test_cluster.py", "ops/test_bad_input.py",
                   "ops/test_deploy.py", "pipeline/test_train.py", "ops/test_ui_retry.py", "pipeline/test_families.py",
                   "engine/test_gradients.py", "engine/test_lora.py", "ops/test_worker.py", "ops/test_dynamic_sampling.py",
                   "test_types.py", "engine/test_split.py", "ops/test_credentials.py", "engine/test_vllm_engine.py",

@@ -475,7 +475,8 @@ RL_SETTING = "is a setting of RL (rollouts, rewards, advantages, the policy loss
                                      "algorithm.objective=sft has no rollout (colocated)"),
     (["data.max_length=64"], "data.max_length=64 is not allowed: bounds SFT's conversations and DPO's pairs: it "
                              "needs algorithm.objective=sft or dpo (a rollout's prompts: data.max_prompt_length)"),
-    (["algorithm.objective=ppo"], "algorithm.objective='ppo' is not allowed: Input should be 'rl', 'sft' or 'dpo'"),
+    (["algorithm.objective=ppo"], "algorithm.objective='ppo' is not allowed: Input should be 'rl', 'sft', 'dpo' or "
+                                  "'distill'"),
     (["algorithm.dpo_beta=0.5"], "algorithm.dpo_beta=0.5 is not allowed: is a setting of DPO: it needs "
                                  "algorithm.objective=dpo"),
     ([*SFT, "algorithm.dpo_loss=ipo"], "algorithm.dpo_loss='ipo' is not allowed: is a setting of DPO"),
@@ -484,6 +485,17 @@ RL_SETTING = "is a setting of RL (rollouts, rewards, advantages, the policy loss
                                                              "of RL (rollouts, rewards, advantages, the policy loss); "
                                                              "algorithm.objective=dpo trains on data.train_files' "
                                                              "preference pairs (configs/tiny_dpo.yaml is a config for it)"),
+    (["teacher.path=/x"], "teacher.path='/x' is not allowed: is a setting of on-policy distillation's teacher: it "
+                          "needs algorithm.objective=distill"),
+    (["algorithm.objective=distill"], "algorithm.objective='distill' is not allowed: needs teacher.path, the model "
+                                      "that scores the student's tokens"),
+    (["algorithm.objective=distill", "teacher.path=/x", "algorithm.adv_estimator=rloo"],
+     "algorithm.adv_estimator='rloo' is not allowed: is replaced under algorithm.objective=distill: the advantage of "
+     "each token is its reverse KL to the teacher, negated"),
+    (["algorithm.objective=distill", "teacher.path=/x", "critic.enable=true"],
+     "critic.enable=True is not allowed: is replaced under algorithm.objective=distill"),
+    (["algorithm.objective=distill", "teacher.path=/x", "rollout.partial_tokens=4"],
+     "rollout.partial_tokens=4 is not allowed: is not built with algorithm.objective=distill"),
     (["algorithm.objective=dpo", "actor.max_tokens_per_micro_batch=64"],
      "actor.max_tokens_per_micro_batch=64 is not allowed: is not built with algorithm.objective=dpo"),
 ])
@@ -498,6 +510,9 @@ def test_sft_refuses_the_settings_of_rl(overrides: list[str], message: str) -> N
     dpo = build_config(_raw(["algorithm.objective=dpo", "algorithm.dpo_loss=ipo", "algorithm.dpo_beta=0.5",
                              "ref.micro_batch_size=4", "data.max_length=64"]))
     assert dpo.needs_ref and dpo.algorithm.dpo_loss == "ipo"  # DPO's reference is RL's, with its settings
+    distill = build_config(_raw(["algorithm.objective=distill", "teacher.path=/x", "teacher.micro_batch_size=8",
+                                 "rollout.n=1"]))  # no group: each token judged on its own
+    assert distill.rows_per_iteration == 8
     with pytest.raises(ConfigError, match=re.escape("rollout.val_do_sample=True is not allowed: is a setting of RL")):
         load_config(None, list(SFT))  # the default config is RL's
 

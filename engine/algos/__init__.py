@@ -24,6 +24,7 @@ from engine.algos.advantages import (
 )
 from engine.algos.agg import LOSS_AGG_MODES, agg_loss, agg_units
 from engine.algos.correction import rollout_correction
+from engine.algos.distill import distillation_advantages
 from engine.algos.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -62,6 +63,7 @@ from engine.algos.value import clipped_value_loss
 
 __all__ = [
     "last_index",
+    "distillation_advantages",
     "PREFERENCE_LOSSES",
     "preference_loss",
     "sequence_logp",

@@ -112,6 +112,12 @@ class PolicyWorker(RankWorker):
             ref.requires_grad_(False)
             self.ref = fsdp.shard_model(ref.eval(), mixed_precision=spec.actor.mixed_precision,
                                         cpu_offload=spec.actor.cpu_offload)
+        self.teacher: nn.Module | None = None
+        if spec.teacher_path is not None:  # distillation: frozen, sharded as the reference is
+            teacher = load_model(spec.teacher_path, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code)
+            teacher.requires_grad_(False)
+            self.teacher = fsdp.shard_model(teacher.eval(), mixed_precision=spec.actor.mixed_precision,
+                                            cpu_offload=spec.actor.cpu_offload)
         generator = self.rollout_model if self.rollout_model is not None else self.actor
         self.rollout = make_rollout(spec.rollout.name, generator, int(self.tokenizer.pad_token_id), stops,
                                     **(vllm_engine(spec) if self.vllm else {}))
@@ -184,6 +190,17 @@ class PolicyWorker(RankWorker):
             logp, _, chunks = self._forward_chunks(self.ref, batch, ref.micro_batch_size,
                                                    ref.max_tokens_per_micro_batch, entropy=False)
         return Batch({"ref_logp": logp}, {}, {"micro_batches": chunks})
+
+    @torch.no_grad()
+    @traced
+    def compute_teacher_log_prob(self, batch: Batch) -> Batch:
+        """`teacher_logp` [B, T]: on-policy distillation's teacher's log-probs of the sampled tokens, at the
+        rollout's temperature (the distribution the student sampled from is compared with the teacher's)."""
+        if self.teacher is None:
+            raise RuntimeError("this policy was built without a teacher (algorithm.objective is not distill)")
+        logp, _, chunks = self._forward_chunks(self.teacher, batch, self.spec.teacher_micro_batch_size, None,
+                                               entropy=False)
+        return Batch({"teacher_logp": logp}, {}, {"micro_batches": chunks})
 
     @torch.no_grad()
     def rollout_log_prob(self, batch: Batch) -> Batch:

@@ -33,9 +33,11 @@ class PolicySpec(BaseModel):
     sandbox_isolation: Literal["bwrap", "none"] = "bwrap"  # reward.sandbox.isolation: how tool calls are confined
     max_model_len: int = 2048  # rollout.name=vllm: the engine's longest prompt + response (RLConfig.max_model_len)
     max_prompt_length: int = 1024  # data.max_prompt_length: rollout.env pads an episode's prompt to it
-    objective: Literal["rl", "sft", "dpo"] = "rl"  # algorithm.objective: the update's loss
+    objective: Literal["rl", "sft", "dpo", "distill"] = "rl"  # algorithm.objective: the update's loss
     dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"  # algorithm.dpo_loss
     dpo_beta: float = 0.1  # algorithm.dpo_beta
+    teacher_path: str | None = None  # teacher.path: on-policy distillation's frozen teacher, in every rank
+    teacher_micro_batch_size: int = 32  # teacher.micro_batch_size
 
 
 class CriticSpec(BaseModel):

@@ -178,6 +178,24 @@ def test_preference_data_without_a_rejected_column(offline: Offline, tmp_path: P
                      "response to each prompt"), error
 
 
+def test_a_teacher_with_another_tokenizer(offline: Offline, tmp_path: Path) -> None:
+    """On-policy distillation with a teacher whose tokenizer is a byte-level BPE (qwen2's family), the
+    student's the char-level tiny one: one line, before the stack."""
+    import shutil
+
+    from engine.demo.families import FAMILIES, build_tokenizer, task_corpus
+
+    teacher = tmp_path / "teacher"
+    build_tokenizer(FAMILIES["qwen2"], task_corpus("arith", 0, rows=200)).save_pretrained(teacher)
+    shutil.copy(offline.model / "config.json", teacher / "config.json")
+    error, _ = offline.train(f"teacher.path={teacher}",
+                             config=str(REPO / "configs" / "tiny_distill.yaml"))
+    assert error.startswith(f"rlflow: error: teacher.path='{teacher}' is not allowed: its tokenizer differs from the "
+                            "student's ("), error
+    assert error.endswith("distillation compares log-probs token by token, so teacher and student need the same "
+                          "tokenizer"), error
+
+
 # --------------------------------------------------------------------------------------- rewards
 
 REWARDS = '''

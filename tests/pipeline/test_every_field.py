@@ -204,9 +204,11 @@ EFFECTS: dict[str, Run | Refused | AtStart | Shown] = {
     "critic.loss_agg_mode": Refused("seq-mean-token-mean"),
     "ref.micro_batch_size": Refused("3"),
     "ref.max_tokens_per_micro_batch": Refused("40"),
-    "algorithm.dpo_loss": Refused("ipo"),  # RL's; DPO's: tests/algos/test_preference.py, tests/ops/test_sft.py
+    "teacher.path": Refused("/x"),  # RL's; distillation's: tests/ops/test_post_training.py
+    "teacher.micro_batch_size": Refused("8"),
+    "algorithm.dpo_loss": Refused("ipo"),  # RL's; DPO's: tests/algos/test_preference.py, tests/ops/test_post_training.py
     "algorithm.dpo_beta": Refused("0.5"),
-    "algorithm.objective": Shown("tests/ops/test_sft.py::test_the_conversations_are_the_samplers_and_the_validation_loss_falls"),
+    "algorithm.objective": Shown("tests/ops/test_post_training.py::test_the_conversations_are_the_samplers_and_the_validation_loss_falls"),
     "algorithm.adv_estimator": Shown("tests/pipeline/test_algorithms.py::test_rloo"),
     "algorithm.gamma": Refused("0.5"),
     "algorithm.lam": Refused("0.5"),

@@ -1,13 +1,21 @@
-"""Supervised fine-tuning (`rlflow sft`, algorithm.objective=sft) and DPO through the real CLI, stack, Prefect deployment and
-storage, on two ranks: the sort task's demonstrations (each prompt with its reference answer as the
-assistant's turn), 4 iterations of 8 conversations, two optimizer steps each.
+"""Post-training besides RL on the same machinery, through the real CLI, stack, Prefect deployment and
+storage, on two ranks: supervised fine-tuning (`rlflow sft`), DPO, and on-policy distillation.
 
-- The uninterrupted run: each iteration's `sft` buffer holds exactly the sampler's conversations as
-  training rows (the assistant's tokens in response_mask), readable with pandas; the validation loss falls (iteration 4 against 0).
-- A deployed run whose update of iteration 2 fails past its retries is retried through the call the
-  UI's Retry button makes: the retry reuses the iteration's conversations (`Cached`, buffer untouched)
-  and, two iterations a flow run, goes on through iteration 3. The lineage then goes on from the CLI, is
-  killed (flow and engine) right after iteration 4's update, and resumed: the uninterrupted run's weights, bit for bit, and no complete buffer ever rewritten.
+- SFT on the sort task's demonstrations (each prompt with its reference answer as the assistant's turn),
+  4 iterations of 8 conversations, two optimizer steps each: each iteration's `sft` buffer holds exactly
+  the sampler's conversations as training rows (the assistant's tokens in response_mask), readable with
+  pandas; the validation loss falls (iteration 4 against 0).
+- Distillation: the tiny model as the student, the SFT run's export as the teacher (the same tokenizer):
+  the teacher's buffer holds the teacher model's own log-probs of the sampled tokens, and each token's
+  advantage is its log-ratio, teacher minus student.
+- For SFT and for distillation, a deployed run whose update of iteration 2 fails past its retries is
+  retried through the call the UI's Retry button makes: the retry reuses the iteration's finished stages
+  (`Cached`, buffers untouched) and, two iterations a flow run, goes on through iteration 3. The lineage
+  then goes on from the CLI, is killed (flow and engine) right after iteration 4's update, and resumed:
+  the uninterrupted run's weights, bit for bit, and no complete buffer ever rewritten.
+- DPO (configs/tiny_dpo.yaml) with LoRA adapters, two iterations: the reference's log-probs of both
+  responses of every pair are the base model's (the actor with its adapters off), iteration 1's loss is
+  log 2 (the policy is its reference), and on held-out pairs the implicit reward margin grows from 0.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ITERATIONS = 4
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_sft.yaml"
 DPO_CONFIG = CONFIG.with_name("tiny_dpo.yaml")
+DISTILL_CONFIG = CONFIG.with_name("tiny_distill.yaml")
 FAULT = ("debug.fail_stage=update_policy", f"debug.fail_times={RETRIES + 1}", "debug.fail_iteration=2")
 
 
@@ -44,8 +53,10 @@ def args(model: Path, root: Path, *extra: str) -> list[str]:
             "data.max_length=64", "actor.mini_batch_size=4", "actor.micro_batch_size=2", "actor.lr=1e-3", *extra]
 
 
-def metrics(root: Path, run_id: str) -> list[dict]:
-    return [json.loads((root / run_id / "metrics" / f"iter_{i:06d}.json").read_text()) for i in range(ITERATIONS + 1)]
+def metrics(root: Path, run_id: str) -> dict[int, dict]:
+    """Iteration -> its metrics line (0: the validation before training, where there is one)."""
+    found = {i: root / run_id / "metrics" / f"iter_{i:06d}.json" for i in range(ITERATIONS + 1)}
+    return {i: json.loads(path.read_text()) for i, path in found.items() if path.exists()}
 
 
 def weights(root: Path, run_id: str) -> dict:
@@ -87,35 +98,93 @@ def test_the_conversations_are_the_samplers_and_the_validation_loss_falls(refere
         line = reference["metrics"][i]
         assert line["sft/trained_tokens"] == float(want["response_mask"].sum())
         assert line["actor/sft_loss"] > 0
-    losses = [m["val/loss"] for m in reference["metrics"] if "val/loss" in m]
+    losses = [m["val/loss"] for m in reference["metrics"].values() if "val/loss" in m]
     # iterations 0, 2 and 4 (measured: 1.249, 1.298, 1.200: Adam's first steps on 8 conversations are noisy)
     assert len(losses) == 3 and losses[2] < losses[0] - 0.02, losses
     assert run["config"]["algorithm"]["objective"] == "sft"
 
 
-def test_retry_then_kill_and_resume_of_an_sft_run(cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path,
-                                                  prefect: Any, reference: dict) -> None:
+def distill_args(model: Path, root: Path, teacher: Path, *extra: str) -> list[str]:
+    """configs/tiny_distill.yaml, smaller: 8 prompts x 2 responses of 8 tokens an iteration."""
+    return [f"model.path={model}", f"storage.root={root}", f"teacher.path={teacher}",
+            f"trainer.total_iterations={ITERATIONS}", "trainer.world_size=2", "trainer.save_every=1",
+            "trainer.val_every=0", "data.train_size=64", "data.val_size=16", "data.train_batch_size=8", "rollout.n=2",
+            "rollout.max_new_tokens=8", "actor.mini_batch_size=8", "actor.micro_batch_size=4", "actor.lr=1e-3",
+            "rollout.val_do_sample=false", *extra]
+
+
+@pytest.fixture(scope="module")
+def distilled(warm_cli: WarmCli, tiny_model_dir: Path, reference: dict, tmp_path_factory: pytest.TempPathFactory
+              ) -> dict:
+    """An uninterrupted distillation run whose teacher is the SFT reference run's export."""
+    root = tmp_path_factory.mktemp("distill-reference")
+    teacher = reference["root"] / "sft-ref" / "export" / f"step_{ITERATIONS:06d}"
+    proc = warm_cli("train", str(DISTILL_CONFIG), *distill_args(tiny_model_dir, root, teacher, "trainer.run_id=distill-ref"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {"root": root, "teacher": teacher, "weights": weights(root, "distill-ref"),
+            "metrics": metrics(root, "distill-ref")}
+
+
+def test_distillation_scores_every_token_by_the_teacher(distilled: dict) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from engine import algos
+    from engine.workers.policy import response_logits
+
+    teacher = AutoModelForCausalLM.from_pretrained(distilled["teacher"]).eval()
+    root = distilled["root"]
+    for i in range(1, ITERATIONS + 1):
+        rollout, scored = buffer(root, "distill-ref", i, "rollout"), buffer(root, "distill-ref", i, "teacher_logprob")
+        mask = rollout["response_mask"]
+        with torch.no_grad():
+            want = algos.logprobs_from_logits(response_logits(teacher, rollout, 1.0, "padded"), rollout["responses"])
+        assert float((scored["teacher_logp"] - want)[mask.bool()].abs().max()) < 1e-5, i
+        adv = buffer(root, "distill-ref", i, "advantage")["adv"]
+        assert torch.equal(adv, (scored["teacher_logp"] - rollout["rollout_logp"]) * mask.float()), i
+        line = distilled["metrics"][i]
+        assert line["distill/reverse_kl"] == pytest.approx(-float(adv[mask.bool()].mean()), rel=1e-5)
+
+
+RETRIED = {  # the objective's CLI run, its buffer of iteration 2 that the retry must reuse, and its reused stages
+    "sft": ("sft-retry", "sft.parquet", ("load_conversations",)),
+    "distill": ("distill-retry", "rollout.parquet", ("generate_rollouts", "compute_teacher_logprobs", "score_rewards",
+                                                     "compute_advantages")),
+}
+
+
+@pytest.mark.parametrize("objective", list(RETRIED))
+def test_retry_then_kill_and_resume(objective: str, cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path,
+                                    prefect: Any, request: pytest.FixtureRequest) -> None:
     from prefect.states import AwaitingRetry
 
-    name, root = "sft-retry", tmp_path / "runs"
-    proc = warm_cli("deploy", str(CONFIG), *args(tiny_model_dir, root, "trainer.iterations_per_run=2", *FAULT),
-                    "--name", name,
-                    "--cron", NEVER)
+    name, kept_buffer, reused = RETRIED[objective]
+    root = tmp_path / "runs"
+    if objective == "sft":
+        ref = request.getfixturevalue("reference")
+        deployed = [str(CONFIG), *args(tiny_model_dir, root, "trainer.iterations_per_run=2", *FAULT)]
+        loss = "actor/sft_loss"
+    else:
+        ref = request.getfixturevalue("distilled")
+        deployed = [str(DISTILL_CONFIG), *distill_args(tiny_model_dir, root, ref["teacher"], "trainer.iterations_per_run=2",
+                                                       *FAULT)]
+        loss = "distill/reverse_kl"
+    proc = warm_cli("deploy", *deployed, "--name", name, "--cron", NEVER)
     assert proc.returncode == 0, proc.stderr[-3000:]
     try:
         with serving(cli, [name], tmp_path / "serve-home") as server:
             run = wait_for(prefect, trigger(prefect, name).id, lambda s: s.is_final(), server)
             assert run.state.is_failed(), f"{run.state.name}: {run.state.message}\n{server.tail()}"
-            conversations = root / name / "buffers" / "iter_000002" / "sft.parquet"
-            before = (conversations.stat().st_mtime_ns, conversations.read_bytes())
+            path = root / name / "buffers" / "iter_000002" / kept_buffer
+            before = (path.stat().st_mtime_ns, path.read_bytes())
             assert prefect.set_flow_run_state(run.id, AwaitingRetry(message="retried")).status.value == "ACCEPT"
             done = wait_for(prefect, run.id, lambda s: s.is_final() and s.name != "AwaitingRetry", server)
             assert done.state.is_completed(), f"{done.state.name}: {done.state.message}\n{server.tail()}"
         retried = subflow_runs(prefect, run.id)[-1]
         iteration = [r for r in subflow_runs(prefect, retried.id) if r.name == "iter-000002"]
         states = task_states(prefect, iteration[0].id)
-        assert states.get("load_conversations") == "Cached" and states.get("update_policy") == "Completed", states
-        assert (conversations.stat().st_mtime_ns, conversations.read_bytes()) == before
+        assert {s: states.get(s) for s in reused} == dict.fromkeys(reused, "Cached"), states
+        assert states.get("update_policy") == "Completed", states
+        assert (path.stat().st_mtime_ns, path.read_bytes()) == before
         kept = buffers(root, name)
         killed = cli("train", "--resume", name, f"storage.root={root}", "debug.kill_flow_after=update_policy",
                      "debug.kill_iteration=4")
@@ -126,8 +195,9 @@ def test_retry_then_kill_and_resume_of_an_sft_run(cli: Cli, warm_cli: WarmCli, t
     assert again.returncode == 0, again.stderr[-4000:]
     after = buffers(root, name)
     assert all(after[k] == v for k, v in kept.items())  # nothing complete was written again
-    assert_equal_weights(weights(root, name), reference["weights"])
-    assert [m.get("actor/sft_loss") for m in metrics(root, name)] == [m.get("actor/sft_loss") for m in reference["metrics"]]
+    assert_equal_weights(weights(root, name), ref["weights"])
+    mine = [metrics(root, name)[i].get(loss) for i in range(1, ITERATIONS + 1)]
+    assert None not in mine and mine == [ref["metrics"][i].get(loss) for i in range(1, ITERATIONS + 1)]
 
 
 def test_a_dpo_run_against_the_base_model_as_its_reference(warm_cli: WarmCli, tiny_model_dir: Path,
