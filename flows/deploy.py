@@ -12,6 +12,9 @@ cancelled (`cancel-new`). Each flow run of `scheduled_train`:
   `trainer.iterations_per_run` more iterations on the sampler's next prompts.
 - mode `fresh`: a new run id per flow run, `<name>-<date>-<flow run id>`, starting from the weights of
   the base checkpoint (`--base-checkpoint RUN[:STEP]` or the step folder's URL) when one is given.
+- mode `chain` (`rlflow deploy SFT_CONFIG --then RL_CONFIG`): each flow run is a night of a post-training
+  pipeline: an SFT run on the data as it is now, from the lineage's last RL checkpoint, then an RL run from
+  the SFT run's checkpoint (`chained`).
 
 run.json records the lineage: `parent` (run id, step, checkpoint URL, the model folder made from it),
 `config_hash` and `code_version`; `rlflow runs show` prints them.
@@ -57,7 +60,7 @@ from infra.runs import RunStore
 from infra.store import ObjectStore
 
 FLOW_NAME = "rlflow-scheduled"
-Mode = Literal["continue", "fresh"]
+Mode = Literal["continue", "fresh", "chain"]
 Collision = Literal["enqueue", "cancel-new"]
 _STRATEGY = {"enqueue": ConcurrencyLimitStrategy.ENQUEUE, "cancel-new": ConcurrencyLimitStrategy.CANCEL_NEW}
 # Overrides that carry credentials: never deployment parameters (the serving process's AWS_* give them).
@@ -78,10 +81,15 @@ class DeploySpec:
     timezone: str | None = None
     collision: Collision = "enqueue"
     pool: str | None = None  # a Prefect work pool (process type) whose workers execute the runs; None: rlflow serve
+    then_config_path: str | None = None  # mode chain: the RL run's config, after the SFT run of config_path
+    then_overrides: list[str] | None = None
 
     def parameters(self) -> dict[str, Any]:
-        return {"config_path": self.config_path, "overrides": self.overrides, "mode": self.mode,
-                "lineage": self.name, "base_checkpoint": self.base_checkpoint}
+        out = {"config_path": self.config_path, "overrides": self.overrides, "mode": self.mode, "lineage": self.name,
+               "base_checkpoint": self.base_checkpoint}
+        if self.mode == "chain":
+            out.update(then_config_path=self.then_config_path, then_overrides=list(self.then_overrides or []))
+        return out
 
 
 @dataclass(frozen=True)
@@ -104,10 +112,14 @@ def _flow_run_name() -> str:
 
 @flow(name=FLOW_NAME, flow_run_name=_flow_run_name)
 def scheduled_train(config_path: str | None = None, overrides: list[str] | None = None, mode: Mode = "continue",
-                    lineage: str = "rlflow", base_checkpoint: str | None = None) -> dict[str, Any]:
-    """One scheduled run of a lineage: continue its run, or start a new run from the base checkpoint."""
+                    lineage: str = "rlflow", base_checkpoint: str | None = None, then_config_path: str | None = None,
+                    then_overrides: list[str] | None = None) -> dict[str, Any]:
+    """One scheduled run of a lineage: continue its run, start a new run from the base checkpoint, or (mode
+    chain) an SFT run then an RL run from it (`chained`)."""
     logger = get_run_logger()
     overrides = list(overrides or [])
+    if mode == "chain":
+        return chained(config_path, overrides, then_config_path, list(then_overrides or []), lineage)
     cfg = load_config(config_path, overrides)
     run_id = lineage if mode == "continue" else fresh_run_id(lineage)
     runs = RunStore(ObjectStore.from_config(cfg.storage), run_id)
@@ -129,6 +141,69 @@ def scheduled_train(config_path: str | None = None, overrides: list[str] | None 
         model = [f"model.path={model_dir}"]
         logger.info("new run %s from checkpoint step %d of %s", run_id, base.step, base.run_id)
     connect_ray(ray_address(cfg), cfg)
+    return train(config_path, [*overrides, *model, f"trainer.run_id={run_id}"], run_name=run_id, parent=parent)
+
+
+def chained(sft_config: str | None, sft_overrides: list[str], rl_config: str | None, rl_overrides: list[str],
+            lineage: str) -> dict[str, Any]:
+    """Mode chain, one night of a lineage: an SFT run (sft_config, on its data files as they are now) from
+    the latest checkpoint of the lineage's last RL run (the config's model the first night), then an RL run
+    (rl_config) from the SFT run's latest checkpoint. Each is a `train` subflow run of its own, named by
+    its run id `<lineage>-<date>-<flow run id>-sft` / `-rl` (the same when this flow run is retried: a
+    finished one is not run again, a failed one resumes); each run.json's `parent` names the checkpoint it
+    started from, so the lineage reads SFT -> RL -> the next night's SFT -> ..."""
+    logger = get_run_logger()
+    stamp = fresh_run_id(lineage)
+    sft_cfg, rl_cfg = load_config(sft_config, sft_overrides), load_config(rl_config, rl_overrides)
+    store = ObjectStore.from_config(sft_cfg.storage)
+    previous = last_of_chain(store, lineage, before=f"{stamp}-rl")
+    logger.info("night %s: SFT from %s", stamp, f"{previous.run_id} step {previous.step}" if previous else "the config's model")
+    connect_ray(ray_address(sft_cfg), sft_cfg)
+    sft = _fresh_or_resumed(sft_config, sft_overrides, f"{stamp}-sft", previous, store, sft_cfg)
+    base, _ = resolve_base(f"{stamp}-sft", sft_cfg)
+    logger.info("night %s: RL from %s step %d", stamp, base.run_id, base.step)
+    rl = _fresh_or_resumed(rl_config, rl_overrides, f"{stamp}-rl", base, ObjectStore.from_config(rl_cfg.storage), rl_cfg)
+    return {"sft": sft, "rl": rl}
+
+
+_CHAIN_RL = re.compile(r"^(?P<lineage>.+)-\d{8}-\d{6}-[0-9a-f]{8}-rl$")
+
+
+def last_of_chain(store: ObjectStore, lineage: str, before: str) -> BaseCheckpoint | None:
+    """The latest committed checkpoint of the lineage's newest RL run other than `before` (this night's),
+    None on the first night. Newest: by run.json's `created`."""
+    from infra.runs import list_runs
+
+    found = []
+    for run_id in list_runs(store):
+        match = _CHAIN_RL.match(run_id)
+        if match is None or match["lineage"] != lineage or run_id == before:
+            continue
+        step = CheckpointStore(store, run_id).resolve_loadable()
+        if step is not None:
+            found.append((str(RunStore(store, run_id).read_run_info()["created"]), run_id, step))
+    if not found:
+        return None
+    _, run_id, step = max(found)
+    return BaseCheckpoint(run_id, step, CheckpointStore(store, run_id).step_url(step))
+
+
+def _fresh_or_resumed(config_path: str | None, overrides: list[str], run_id: str, base: BaseCheckpoint | None,
+                      store: ObjectStore, cfg: RLConfig) -> dict[str, Any]:
+    """Run `run_id` from `base` (or the config's model), or resume it when it exists (this flow run
+    retried); one that finished all its iterations is not run again."""
+    runs = RunStore(store, run_id)
+    if runs.exists():
+        done = runs.last_finished_iteration() or 0
+        if done >= cfg.trainer.total_iterations:
+            return {"run_id": run_id, "finished_iteration": done, "skipped": True}
+        model = _parent_model(runs.read_run_info().get("parent"), cfg)
+        return train(config_path, [*overrides, *model], resume=run_id, run_name=run_id)
+    parent, model = None, []
+    if base is not None:
+        model_dir = base_model_dir(base, store, cfg.model.trust_remote_code)
+        parent = {"run_id": base.run_id, "step": base.step, "checkpoint": base.url, "model_path": str(model_dir)}
+        model = [f"model.path={model_dir}"]
     return train(config_path, [*overrides, *model, f"trainer.run_id={run_id}"], run_name=run_id, parent=parent)
 
 
@@ -292,6 +367,10 @@ def check_spec(spec: DeploySpec) -> RLConfig:
     if (spec.cron is None) == (spec.interval_s is None):
         raise ConfigError("give one schedule: --cron EXPR or --interval SECONDS")
     cfg = load_config(spec.config_path, spec.overrides)
+    if spec.mode == "chain":
+        return _check_chain(spec, cfg)
+    if spec.then_config_path is not None or spec.then_overrides:
+        raise ConfigError(f"--then runs an RL run after an SFT run (mode chain); --mode {spec.mode} runs one")
     if spec.mode == "continue":
         if cfg.trainer.iterations_per_run is None:
             raise ConfigError("--mode continue does trainer.iterations_per_run iterations per scheduled run: set "
@@ -304,6 +383,27 @@ def check_spec(spec: DeploySpec) -> RLConfig:
     if spec.base_checkpoint:
         resolve_base(spec.base_checkpoint, cfg)  # it must exist now, not only at 2 am
     return cfg
+
+
+def _check_chain(spec: DeploySpec, sft: RLConfig) -> RLConfig:
+    """Mode chain: an SFT config, then an RL config; both fresh runs each night, on one storage root."""
+    if sft.algorithm.objective != "sft":
+        raise ConfigError(f"--then chains an SFT run and an RL run: the first config's algorithm.objective is "
+                          f"{sft.algorithm.objective!r} (give an SFT config, as configs/tiny_sft.yaml)")
+    rl = load_config(spec.then_config_path, list(spec.then_overrides or []))
+    if rl.algorithm.objective == "sft":
+        raise ConfigError("--then's config is an SFT config: the chain's second run trains on the SFT run's "
+                          "checkpoint with RL (or DPO, or distillation)")
+    if spec.base_checkpoint:
+        raise ConfigError("--base-checkpoint with --then: the first night's SFT run starts from its config's model, "
+                          "every later one from the lineage's last RL checkpoint")
+    for cfg, which in ((sft, "the SFT config"), (rl, "--then's config")):
+        if cfg.trainer.run_id is not None:
+            raise ConfigError(f"trainer.run_id in {which}: the chain names its runs <name>-<date>-<flow run>-sft / -rl")
+    if rl.storage.root != sft.storage.root:
+        raise ConfigError(f"storage.root differs between the SFT config ({sft.storage.root}) and --then's "
+                          f"({rl.storage.root}): a lineage's runs live under one root")
+    return sft
 
 
 def runner_deployment(name: str, parameters: dict[str, Any], *, collision: Collision,

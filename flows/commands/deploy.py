@@ -6,6 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
+from engine.errors import ConfigError
 from flows.commands.config import split_config_args
 
 
@@ -22,12 +23,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "`rlflow serve`")
     parser.add_argument("--timezone", help="of the cron schedule (default UTC), for example Europe/Berlin")
     parser.add_argument("--name", help="the deployment and lineage (default: trainer.run_id, else trainer.project)")
-    parser.add_argument("--mode", choices=("continue", "fresh"), default="continue",
+    parser.add_argument("--mode", choices=("continue", "fresh"), default=None,
                         help="continue: every run resumes the lineage's run for trainer.iterations_per_run "
                              "iterations; fresh: a new run each time (from --base-checkpoint)")
     parser.add_argument("--base-checkpoint", metavar="RUN[:STEP]|URL",
                         help="the committed checkpoint a new run starts from: RUN (its latest), RUN:STEP under "
                              "storage.root, or <root>/<run>/checkpoints/step_NNNNNN")
+    parser.add_argument("--then", metavar="RL_CONFIG", dest="then_config",
+                        help="a post-training pipeline (mode chain): each run is an SFT run of CONFIG on its data as "
+                             "it is then, from the lineage's last RL checkpoint, then an RL run of RL_CONFIG from the "
+                             "SFT run's checkpoint")
+    parser.add_argument("--then-set", metavar="KEY=VALUE", action="append", default=[], dest="then_overrides",
+                        help="an override of --then's config (repeat it for more)")
     parser.add_argument("--collision", choices=("enqueue", "cancel-new"), default="enqueue",
                         help="a run that comes due while the previous one runs: waits (default) or is cancelled")
     parser.set_defaults(func=_deploy)
@@ -45,14 +52,23 @@ def _deploy(args: argparse.Namespace) -> int:
     from infra.stack import apply_connect_env, ensure_stack
 
     path, overrides = split_config_args(args.args)
-    refuse_stored_secrets(overrides)
+    refuse_stored_secrets([*overrides, *args.then_overrides])
     cfg = load_config(path, overrides)
+    chain = args.then_config is not None
+    if args.then_overrides and not chain:
+        raise ConfigError("--then-set overrides --then's config: give --then RL_CONFIG")
+    if chain and args.mode is not None:
+        raise ConfigError(f"--mode {args.mode} with --then: a chain's runs are new each night (SFT, then RL)")
+    then_overrides = args.then_overrides
+    if chain:
+        then_overrides = _absolute_root(then_overrides, load_config(args.then_config, then_overrides).storage.root)
     spec = DeploySpec(
         name=args.name or cfg.trainer.run_id or cfg.trainer.project,
         config_path=str(Path(path).resolve()) if path else None,  # the served run may start elsewhere
-        overrides=_absolute_root(overrides, cfg.storage.root), mode=args.mode,
+        overrides=_absolute_root(overrides, cfg.storage.root), mode="chain" if chain else (args.mode or "continue"),
         base_checkpoint=args.base_checkpoint, cron=args.cron, interval_s=args.interval, timezone=args.timezone,
-        collision=args.collision, pool=args.pool)
+        collision=args.collision, pool=args.pool,
+        then_config_path=str(Path(args.then_config).resolve()) if chain else None, then_overrides=then_overrides)
     check_spec(spec)  # before the stack starts
     info = ensure_stack(StackConfig(), cfg.ray)
     apply_connect_env(info)

@@ -87,7 +87,9 @@ def assert_reused(root: Path, run_id: str, iteration: int) -> None:
 @pytest.fixture(scope="module", autouse=True)
 def zombie(cli: Cli, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> float:
     """A run whose flow process is SIGKILLed and that nothing resumes, started before the module's other
-    tests so that its heartbeat window (flows/liveness.WINDOW_S, 180 s) passes while they run; its engine
+    tests so that its heartbeat window (flows/liveness.WINDOW_S, 180 s) passes while they run (its check
+    comes before the test that restarts the Prefect server: a restart within the window loses the pending
+    trigger, seen in a fresh-clone run of f4179df where the restart came 30 s after the window); its engine
     is stopped at once (it would hold the cluster's CPUs; the flow run's state is the claim). Returns when
     the process died (time.monotonic)."""
     proc = cli("train", *args(tiny_model_dir, str(tmp_path_factory.mktemp("zombie")), "zombie",
@@ -179,6 +181,43 @@ def test_flow_process_killed_then_resumed_from_storage_past_a_corrupted_shard(
     assert killed.state.name == "Crashed" and f"resumed by flow run corrupt ({resumed_run.id})" in killed.state.message
     assert subflow_runs(prefect, killed.id)[-1].state.name == "Crashed"  # iteration 3, killed mid-way
     print(f"flow kill + corrupted shard + resume: {time.monotonic() - start:.0f} s")
+
+
+def test_a_killed_controller_is_marked_crashed_by_its_missing_heartbeat(zombie: float, prefect: Any, api_url: str,
+                                                                       stack_home: Path) -> None:
+    """The flow process is SIGKILLed and nothing resumes it (the `zombie` fixture, started first): Prefect's
+    automation (flows/liveness.py) sets its flow run Crashed once its heartbeat has been missing for WINDOW_S."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    from flows.liveness import AUTOMATION, WINDOW_S
+
+    assert prefect.read_automations_by_name(AUTOMATION)
+    deadline = zombie + WINDOW_S + 90
+    while True:
+        (run,) = prefect.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["zombie"])))
+        if run.state.is_final() or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert run.state.name == "Crashed" and f"no heartbeat for {WINDOW_S} s" in run.state.message, run.state
+    # The automation an earlier version made (a 90 s window) is brought to WINDOW_S by the next run's start.
+    from datetime import timedelta
+
+    from prefect.events.schemas.automations import AutomationCore
+    from prefect.settings import temporary_settings
+
+    from flows.liveness import ensure_crash_automation
+    from tests.ops.conftest import api_settings
+
+    [automation] = prefect.read_automations_by_name(AUTOMATION)
+    assert automation.trigger.within == timedelta(seconds=WINDOW_S)
+    older = automation.model_dump(exclude={"id", "owner_resource"})  # what an update may carry
+    older["trigger"]["within"] = timedelta(seconds=90)
+    prefect.update_automation(automation.id, AutomationCore.model_validate(older))
+    assert prefect.read_automations_by_name(AUTOMATION)[0].trigger.within == timedelta(seconds=90)
+    with temporary_settings(updates=api_settings(api_url, stack_home)):
+        ensure_crash_automation()
+    [updated] = prefect.read_automations_by_name(AUTOMATION)
+    assert updated.id == automation.id and updated.trigger.within == timedelta(seconds=WINDOW_S)
 
 
 def test_s3_down_for_10s_then_prefect_server_restarted_mid_run(cli: Cli, tiny_model_dir: Path, s3_server,
@@ -279,40 +318,3 @@ def test_lora_rank_killed_then_flow_killed_and_resumed_on_a_new_engine(cli: Cli,
     assert sampler_record(tmp_path, "lora-kill") == reference["record"]
     manifest = json.loads((tmp_path / "lora-kill" / "checkpoints" / "step_000003" / "MANIFEST.json").read_text())
     print(f"LoRA checkpoint: {sum(f['size'] for f in manifest['files'])} bytes")
-
-
-def test_a_killed_controller_is_marked_crashed_by_its_missing_heartbeat(zombie: float, prefect: Any, api_url: str,
-                                                                       stack_home: Path) -> None:
-    """The flow process is SIGKILLed and nothing resumes it (the `zombie` fixture, started first): Prefect's
-    automation (flows/liveness.py) sets its flow run Crashed once its heartbeat has been missing for WINDOW_S."""
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
-
-    from flows.liveness import AUTOMATION, WINDOW_S
-
-    assert prefect.read_automations_by_name(AUTOMATION)
-    deadline = zombie + WINDOW_S + 90
-    while True:
-        (run,) = prefect.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["zombie"])))
-        if run.state.is_final() or time.monotonic() > deadline:
-            break
-        time.sleep(2)
-    assert run.state.name == "Crashed" and f"no heartbeat for {WINDOW_S} s" in run.state.message, run.state
-    # The automation an earlier version made (a 90 s window) is brought to WINDOW_S by the next run's start.
-    from datetime import timedelta
-
-    from prefect.events.schemas.automations import AutomationCore
-    from prefect.settings import temporary_settings
-
-    from flows.liveness import ensure_crash_automation
-    from tests.ops.conftest import api_settings
-
-    [automation] = prefect.read_automations_by_name(AUTOMATION)
-    assert automation.trigger.within == timedelta(seconds=WINDOW_S)
-    older = automation.model_dump(exclude={"id", "owner_resource"})  # what an update may carry
-    older["trigger"]["within"] = timedelta(seconds=90)
-    prefect.update_automation(automation.id, AutomationCore.model_validate(older))
-    assert prefect.read_automations_by_name(AUTOMATION)[0].trigger.within == timedelta(seconds=90)
-    with temporary_settings(updates=api_settings(api_url, stack_home)):
-        ensure_crash_automation()
-    [updated] = prefect.read_automations_by_name(AUTOMATION)
-    assert updated.id == automation.id and updated.trigger.within == timedelta(seconds=WINDOW_S)

@@ -1,5 +1,6 @@
 """Post-training besides RL on the same machinery, through the real CLI, stack, Prefect deployment and
-storage, on two ranks: supervised fine-tuning (`rlflow sft`), DPO, and on-policy distillation.
+storage, on two ranks (the chain on one): supervised fine-tuning (`rlflow sft`), DPO, and on-policy
+distillation.
 
 - SFT on the sort task's demonstrations (each prompt with its reference answer as the assistant's turn),
   4 iterations of 8 conversations, two optimizer steps each: each iteration's `sft` buffer holds exactly
@@ -16,6 +17,9 @@ storage, on two ranks: supervised fine-tuning (`rlflow sft`), DPO, and on-policy
 - DPO (configs/tiny_dpo.yaml) with LoRA adapters, two iterations: the reference's log-probs of both
   responses of every pair are the base model's (the actor with its adapters off), iteration 1's loss is
   log 2 (the policy is its reference), and on held-out pairs the implicit reward margin grows from 0.
+- A chained deployment (`rlflow deploy SFT_CONFIG --then RL_CONFIG`) run two nights: each night an SFT
+  run on the data file as it is then, then an RL run from its checkpoint, each its own flow run; the
+  second night's SFT run starts from the first night's RL weights, and every run.json names its parent.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import pytest
 import torch
 
 from tasks.stages import RETRIES
-from tests.ops.conftest import NEVER, serving, subflow_runs, task_states, trigger, wait_for
+from tests.ops.conftest import NEVER, run_args, serving, subflow_runs, task_states, trigger, wait_for
 from tests.ops.test_async import assert_equal_weights
 from tests.ops.test_dynamic_sampling import buffer
 from tests.ops.test_dynamic_sampling import weights as shared_weights
@@ -232,3 +236,49 @@ def test_a_dpo_run_against_the_base_model_as_its_reference(warm_cli: WarmCli, ti
             assert float((ref[column] - want)[mask].abs().max()) < 1e-5, (i, column)
         frame = pd.read_parquet(root / "dpo" / "buffers" / f"iter_{i:06d}" / "pairs.parquet")
         assert len(frame) == 8 and "rejected_responses" in frame
+
+
+def _conversations(path: Path, offset: int) -> Path:
+    """SFT data: 16 sort conversations with their reference answers, the rows from `offset` on."""
+    from engine.data.conversations import demonstrations
+    from engine.data.prompts import write_rows_parquet
+    from engine.demo.synthetic import make_rows, solution_text
+
+    return write_rows_parquet(demonstrations(make_rows("sort", 16 + offset, 0, "train")[offset:], solution_text), path)
+
+
+def test_a_chained_deployment_continues_its_lineage_the_next_night(cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path,
+                                                                    tmp_path: Path, prefect: Any) -> None:
+    from safetensors.torch import load_file
+
+    root, data = tmp_path / "runs", tmp_path / "demos.parquet"
+    _conversations(data, 0)
+    sft = [str(CONFIG), f"model.path={tiny_model_dir}", f"storage.root={root}", f"data.train_files=[{data}]",
+           "trainer.total_iterations=2", "trainer.world_size=1", "trainer.save_every=2", "trainer.val_every=0",
+           "data.train_batch_size=8", "actor.mini_batch_size=8", "actor.micro_batch_size=8"]
+    rl = run_args(tiny_model_dir, root, "trainer.val_every=0")
+    proc = warm_cli("deploy", *sft, "--then", str(CONFIG.with_name("tiny_grpo.yaml")),
+                    *(x for a in rl for x in ("--then-set", a)), "--name", "nightly", "--cron", NEVER)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    nights = []
+    with serving(cli, ["nightly"], tmp_path / "serve-home") as server:  # each run stops its engine at its end
+        for night in (1, 2):
+            if night == 2:
+                _conversations(data, 16)  # the newest demonstrations: the second night trains on them
+            run = wait_for(prefect, trigger(prefect, "nightly").id, lambda s: s.is_final(), server)
+            assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{server.tail()}"
+            stages = subflow_runs(prefect, run.id)  # the night's two train flow runs, SFT then RL
+            assert [r.name.rsplit("-", 1)[1] for r in stages] == ["sft", "rl"], [r.name for r in stages]
+            assert all(r.state.is_completed() for r in stages)
+            nights.append([r.name for r in stages])
+    info = {r: json.loads((root / r / "run.json").read_text()) for night in nights for r in night}
+    (sft1, rl1), (sft2, rl2) = nights
+    parents = {r: (i["parent"] or {}).get("run_id") for r, i in info.items()}
+    assert parents == {sft1: None, rl1: sft1, sft2: rl1, rl2: sft2}, parents
+    assert all((info[r]["parent"] or {}).get("step", 2) == 2 for r in info)
+    # the second night's SFT started from the first night's RL weights, exactly
+    start = load_file(Path(info[sft2]["parent"]["model_path"]) / "model.safetensors")
+    assert_equal_weights(start, load_file(root / rl1 / "export" / "step_000002" / "model.safetensors"))
+    # and trained on the data as it was that night
+    first, second = (buffer(root, r, 1, "sft")["input_ids"] for r in (sft1, sft2))
+    assert not torch.equal(first, second)
