@@ -116,32 +116,15 @@ def scheduled_train(config_path: str | None = None, overrides: list[str] | None 
                     then_overrides: list[str] | None = None) -> dict[str, Any]:
     """One scheduled run of a lineage: continue its run, start a new run from the base checkpoint, or (mode
     chain) an SFT run then an RL run from it (`chained`)."""
-    logger = get_run_logger()
     overrides = list(overrides or [])
     if mode == "chain":
         return chained(config_path, overrides, then_config_path, list(then_overrides or []), lineage)
     cfg = load_config(config_path, overrides)
     run_id = lineage if mode == "continue" else fresh_run_id(lineage)
-    runs = RunStore(ObjectStore.from_config(cfg.storage), run_id)
-    if runs.exists():  # the lineage's next run, or this flow run retried
-        done = runs.last_finished_iteration() or 0
-        if mode == "continue" and done >= cfg.trainer.total_iterations:
-            logger.warning("lineage %s finished all %d iterations: nothing to do (raise trainer.total_iterations "
-                           "or pause the deployment)", run_id, done)
-            return {"run_id": run_id, "finished_iteration": done, "skipped": True}
-        model = _parent_model(runs.read_run_info().get("parent"), cfg)
-        connect_ray(ray_address(cfg), cfg)
-        logger.info("resuming run %s after iteration %d", run_id, done)
-        return train(config_path, [*overrides, *model], resume=run_id, run_name=run_id)
-    parent, model = None, []
-    if base_checkpoint:
-        base, store = resolve_base(base_checkpoint, cfg)
-        model_dir = base_model_dir(base, store, cfg.model.trust_remote_code)
-        parent = {"run_id": base.run_id, "step": base.step, "checkpoint": base.url, "model_path": str(model_dir)}
-        model = [f"model.path={model_dir}"]
-        logger.info("new run %s from checkpoint step %d of %s", run_id, base.step, base.run_id)
-    connect_ray(ray_address(cfg), cfg)
-    return train(config_path, [*overrides, *model, f"trainer.run_id={run_id}"], run_name=run_id, parent=parent)
+    base, store = resolve_base(base_checkpoint, cfg) if base_checkpoint else (None, None)
+    finished = ("nothing to do (raise trainer.total_iterations or pause the deployment)" if mode == "continue"
+                else None)  # mode fresh: a finished run of this flow run resumes (and finds nothing left)
+    return _fresh_or_resumed(config_path, overrides, run_id, cfg, base, store, finished)
 
 
 def chained(sft_config: str | None, sft_overrides: list[str], rl_config: str | None, rl_overrides: list[str],
@@ -158,11 +141,10 @@ def chained(sft_config: str | None, sft_overrides: list[str], rl_config: str | N
     store = ObjectStore.from_config(sft_cfg.storage)
     previous = last_of_chain(store, lineage, before=f"{stamp}-rl")
     logger.info("night %s: SFT from %s", stamp, f"{previous.run_id} step {previous.step}" if previous else "the config's model")
-    connect_ray(ray_address(sft_cfg), sft_cfg)
-    sft = _fresh_or_resumed(sft_config, sft_overrides, f"{stamp}-sft", previous, store, sft_cfg)
+    again = "not run again (this night retried)"
+    sft = _fresh_or_resumed(sft_config, sft_overrides, f"{stamp}-sft", sft_cfg, previous, store, again)
     base, _ = resolve_base(f"{stamp}-sft", sft_cfg)
-    logger.info("night %s: RL from %s step %d", stamp, base.run_id, base.step)
-    rl = _fresh_or_resumed(rl_config, rl_overrides, f"{stamp}-rl", base, ObjectStore.from_config(rl_cfg.storage), rl_cfg)
+    rl = _fresh_or_resumed(rl_config, rl_overrides, f"{stamp}-rl", rl_cfg, base, store, again)
     return {"sft": sft, "rl": rl}
 
 
@@ -188,22 +170,30 @@ def last_of_chain(store: ObjectStore, lineage: str, before: str) -> BaseCheckpoi
     return BaseCheckpoint(run_id, step, CheckpointStore(store, run_id).step_url(step))
 
 
-def _fresh_or_resumed(config_path: str | None, overrides: list[str], run_id: str, base: BaseCheckpoint | None,
-                      store: ObjectStore, cfg: RLConfig) -> dict[str, Any]:
-    """Run `run_id` from `base` (or the config's model), or resume it when it exists (this flow run
-    retried); one that finished all its iterations is not run again."""
-    runs = RunStore(store, run_id)
+def _fresh_or_resumed(config_path: str | None, overrides: list[str], run_id: str, cfg: RLConfig,
+                      base: BaseCheckpoint | None, base_store: ObjectStore | None, finished: str | None
+                      ) -> dict[str, Any]:
+    """Resume `run_id` when it exists (the lineage's next run, or this flow run retried), else start it from
+    `base` (in `base_store`), or from the config's model without one. With `finished` (what the log says),
+    a run that finished all its iterations is not run again."""
+    logger = get_run_logger()
+    runs = RunStore(ObjectStore.from_config(cfg.storage), run_id)
     if runs.exists():
         done = runs.last_finished_iteration() or 0
-        if done >= cfg.trainer.total_iterations:
+        if finished is not None and done >= cfg.trainer.total_iterations:
+            logger.warning("run %s finished all %d iterations: %s", run_id, done, finished)
             return {"run_id": run_id, "finished_iteration": done, "skipped": True}
         model = _parent_model(runs.read_run_info().get("parent"), cfg)
+        connect_ray(ray_address(cfg), cfg)
+        logger.info("resuming run %s after iteration %d", run_id, done)
         return train(config_path, [*overrides, *model], resume=run_id, run_name=run_id)
     parent, model = None, []
-    if base is not None:
-        model_dir = base_model_dir(base, store, cfg.model.trust_remote_code)
+    if base is not None and base_store is not None:
+        model_dir = base_model_dir(base, base_store, cfg.model.trust_remote_code)
         parent = {"run_id": base.run_id, "step": base.step, "checkpoint": base.url, "model_path": str(model_dir)}
         model = [f"model.path={model_dir}"]
+        logger.info("new run %s from checkpoint step %d of %s", run_id, base.step, base.run_id)
+    connect_ray(ray_address(cfg), cfg)
     return train(config_path, [*overrides, *model, f"trainer.run_id={run_id}"], run_name=run_id, parent=parent)
 
 
