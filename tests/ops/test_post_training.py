@@ -258,14 +258,14 @@ def test_a_chained_deployment_continues_its_lineage_the_next_night(cli: Cli, war
            "data.train_batch_size=8", "actor.mini_batch_size=8", "actor.micro_batch_size=8"]
     rl = run_args(tiny_model_dir, root, "trainer.val_every=0")
     proc = warm_cli("deploy", *sft, "--then", str(CONFIG.with_name("tiny_grpo.yaml")),
-                    *(x for a in rl for x in ("--then-set", a)), "--name", "nightly", "--cron", NEVER)
+                    *(x for a in rl for x in ("--then-set", a)), "--name", "chain-nightly", "--cron", NEVER)
     assert proc.returncode == 0, proc.stderr[-3000:]
     nights = []
-    with serving(cli, ["nightly"], tmp_path / "serve-home") as server:  # each run stops its engine at its end
+    with serving(cli, ["chain-nightly"], tmp_path / "serve-home") as server:  # each run stops its engine at its end
         for night in (1, 2):
             if night == 2:
                 _conversations(data, 16)  # the newest demonstrations: the second night trains on them
-            run = wait_for(prefect, trigger(prefect, "nightly").id, lambda s: s.is_final(), server)
+            run = wait_for(prefect, trigger(prefect, "chain-nightly").id, lambda s: s.is_final(), server)
             assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{server.tail()}"
             stages = subflow_runs(prefect, run.id)  # the night's two train flow runs, SFT then RL
             assert [r.name.rsplit("-", 1)[1] for r in stages] == ["sft", "rl"], [r.name for r in stages]
