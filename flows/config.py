@@ -72,6 +72,10 @@ class TrainerConfig(Section):
     stage_timeouts: dict[str, float] = Field(
         default_factory=dict, description="per stage name, instead of stage_timeout_s (for example "
         "{update_policy: 600}); a name that is not a stage of the run is refused with the list of its stages")
+    stage_retry_delays_s: list[float] = Field(
+        default_factory=lambda: [2.0, 10.0], description="a failed stage is retried once per entry, after that "
+        "many seconds (default: a storage or Ray hiccup, then a longer pause); [] retries none. A stage failed past "
+        "its retries fails the flow run: Retry it in the UI, or resume")
     capacity_timeout_s: float = Field(600.0, gt=0, description="an engine restarted after a lost node waits this "
                                       "long for the cluster to have room for its ranks, then the run fails (resume "
                                       "it once nodes are back)")
@@ -104,6 +108,13 @@ class TrainerConfig(Section):
         for name, seconds in value.items():
             if seconds <= 0:
                 raise ValueError(f"{name}: {seconds:g} s; each must be > 0")
+        return value
+
+    @field_validator("stage_retry_delays_s")
+    @classmethod
+    def _retry_delays(cls, value: list[float]) -> list[float]:
+        if any(seconds < 0 for seconds in value) or len(value) > 10:
+            raise ValueError(f"{value}: at most 10 retries, each delay >= 0 s")
         return value
 
     @field_validator("loggers", mode="before")

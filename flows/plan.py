@@ -359,6 +359,7 @@ def open_run(cfg: RLConfig, run_id: str, *, resume: bool, parent: dict[str, Any]
         engine=inputs.engine, data=cfg.data, rollout=cfg.rollout,
         algorithm=cfg.algorithm, reward=cfg.reward, stages=stages, max_staleness=cfg.trainer.max_staleness,
         stage_timeouts={name: cfg.stage_timeout(name) for name in stage_names(stages)},
+        retry_delays_s=cfg.trainer.stage_retry_delays_s,
         # An absolute root: the stages run in Ray workers whose working directory is not this one.
         storage=cfg.storage.model_copy(update={"access_key_id": None, "secret_access_key": None,
                                                "root": inputs.store.url()}),

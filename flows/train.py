@@ -47,7 +47,7 @@ from infra.errors import IntegrityError
 from tasks.context import RunPlan, context
 from tasks.faults import maybe_kill_flow
 from tasks.runner import StageTaskRunner
-from tasks.stages import StageResult, episodes_table, save_checkpoint, task_for, validate
+from tasks.stages import StageResult, episodes_table, save_checkpoint, task_for, validate, with_retries
 
 log = logging.getLogger("rlflow.train")
 
@@ -86,7 +86,7 @@ def rl_iteration(plan: RunPlan, iteration: int, kl_coef: float) -> dict[str, flo
                 if stage.task == "continue_rollouts":
                     schedule.before_continue(iteration)
             inputs = {source: futures[source] for source in stage.inputs}
-            futures[stage.name] = task_for(stage).submit(plan, iteration, stage, inputs, kl_coef,
+            futures[stage.name] = task_for(stage, plan).submit(plan, iteration, stage, inputs, kl_coef,
                                                          wait_for=[futures[a] for a in stage.after])
             if schedule is not None and stage.task in _NOTED:
                 _on_end(schedule, iteration, futures[stage.name], stage.task)
@@ -424,7 +424,7 @@ def run_iteration(trainer: Trainer, iteration: int) -> dict[str, float] | None:
         trainer.kl.update(metrics["actor/reward_kl_penalty"], n_steps=cfg.data.train_batch_size * cfg.rollout.n)
     if cfg.trainer.val_every and iteration % cfg.trainer.val_every == 0:
         with stage_options():
-            result = validate.submit(plan, iteration).result()
+            result = with_retries(validate, plan).submit(plan, iteration).result()
         metrics.update(result.metrics)
         if result.span is not None:
             trace.spans_of(plan.run_id).add(iteration, "validate", *result.span)
@@ -520,7 +520,7 @@ def replay(trainer: Trainer, iteration: int) -> None:
         for stage in plan.stages:
             if stage.task in ("update_critic", "update_policy"):  # they read the advantage buffer alone
                 assert set(stage.inputs) == {"compute_advantages"}, stage.sources
-                task_for(stage).submit(plan, iteration, stage, inputs, 0.0).result()
+                task_for(stage, plan).submit(plan, iteration, stage, inputs, 0.0).result()
 
 
 def trainer_checkpoints(trainer: Trainer) -> list[int]:
@@ -536,7 +536,8 @@ def _checkpoint(trainer: Trainer, iteration: int, force: bool = False) -> None:
     if iteration <= 0 or (not force and iteration % trainer.cfg.trainer.save_every):
         return
     with stage_options():
-        saved = save_checkpoint.submit(trainer.plan, iteration, trainer.trainer_state(iteration)).result()
+        task = with_retries(save_checkpoint, trainer.plan)
+        saved = task.submit(trainer.plan, iteration, trainer.trainer_state(iteration)).result()
     if saved.span is not None:
         trace.spans_of(trainer.plan.run_id).add(iteration, "save_checkpoint", *saved.span)
     if not saved.reused:  # after the iteration's metrics (its end): the save is in the log
@@ -547,7 +548,7 @@ def _checkpoint(trainer: Trainer, iteration: int, force: bool = False) -> None:
 def _validate_before(trainer: Trainer) -> None:
     """Validation of the initial policy: iteration 0's metrics line (the 'before' of a run)."""
     with stage_options():
-        metrics = validate.submit(trainer.plan, 0).result().metrics
+        metrics = with_retries(validate, trainer.plan).submit(trainer.plan, 0).result().metrics
     if metrics:
         trainer.run.runs.write_metrics(0, metrics)
         name, key = next((n, k) for n, k in (("loss", "val/loss"), ("preference accuracy", "val/preference_accuracy"),

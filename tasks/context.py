@@ -49,6 +49,7 @@ class RunPlan(BaseModel):
     reward: RewardConfig
     storage: StorageConfig
     stages: list[StageSpec]  # the iteration's declared graph (flows.algorithms.stages_for)
+    retry_delays_s: list[float]  # trainer.stage_retry_delays_s: a failed stage's retries, the seconds before each
     max_staleness: int = 0  # trainer.max_staleness: the rollout of iteration i uses version max(0, i-1-k)
     stage_timeouts: dict[str, tuple[float, str]] = {}  # stage name: (seconds, the setting) of its engine calls
     debug: FaultConfig = FaultConfig()

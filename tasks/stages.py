@@ -38,8 +38,7 @@ from tasks.context import RunPlan, StageContext, context
 from tasks.faults import maybe_fail, maybe_kill_rank, maybe_kill_uploader
 from tasks.graph import StageSpec, load_user_stage
 
-RETRIES = 2
-RETRY_DELAYS = [2, 10]  # seconds: a transient storage or Ray hiccup, then a longer pause
+RETRIES = 2  # trainer.stage_retry_delays_s's default has two delays; each run sets its own (with_retries)
 # A stage that hangs becomes a failure. Generous: the engine's own per-call timeout
 # (trainer.stage_timeout_s) is what bounds a single engine call.
 STAGE_TIMEOUT_S = 4 * 3600
@@ -85,7 +84,7 @@ def stage_task(name: str, cache: bool = True) -> Any:
                 result.span = (start, time.time())
             return result
 
-        options: dict[str, Any] = {"name": name, "retries": RETRIES, "retry_delay_seconds": RETRY_DELAYS,
+        options: dict[str, Any] = {"name": name, "retries": RETRIES, "retry_delay_seconds": [2, 10],
                                    "retry_condition_fn": retry_unless_engine_gone, "persist_result": True,
                                    "timeout_seconds": STAGE_TIMEOUT_S}
         if cache:
@@ -121,10 +120,22 @@ def graph_stage(name: str, cache: bool = True) -> Any:
     return wrap
 
 
-def task_for(stage: StageSpec) -> Any:
-    """The Prefect task that runs `stage`, named as the stage (a user stage's task takes its name)."""
-    found = TASKS[stage.task]
-    return found if found.name == stage.name else found.with_options(name=stage.name)
+def task_for(stage: StageSpec, plan: RunPlan) -> Any:
+    """The Prefect task that runs `stage`, named as the stage (a user stage's task takes its name), with
+    the run's retries."""
+    return with_retries(TASKS[stage.task], plan, stage.name)
+
+
+def with_retries(found: Any, plan: RunPlan, name: str | None = None) -> Any:
+    """`found` retried as the run says (trainer.stage_retry_delays_s: one retry per delay)."""
+    key = (found.name, name or found.name, tuple(plan.retry_delays_s))
+    if key not in _RETRIED:
+        delays = list(plan.retry_delays_s)
+        _RETRIED[key] = found.with_options(name=key[1], retries=len(delays), retry_delay_seconds=delays or 0)
+    return _RETRIED[key]
+
+
+_RETRIED: dict[tuple[str, str, tuple[float, ...]], Any] = {}  # (task, stage name, delays): the task so retried
 
 
 def _reuse(ctx: StageContext, iteration: int, stage: StageSpec) -> StageResult | None:

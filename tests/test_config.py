@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -333,6 +334,25 @@ def test_stage_timeouts_default_scales_with_the_batch_and_is_set_per_stage() -> 
         check_stage_timeouts(load_config(None, ["trainer.stage_timeouts={update_critic: 20}"]))
     with pytest.raises(ConfigError, match="trainer.stage_timeouts"):
         load_config(None, ["trainer.stage_timeouts={update_policy: 0}"])
+
+
+def test_stage_retries_are_the_runs() -> None:
+    """trainer.stage_retry_delays_s: one retry per delay, on every stage task of the run (the delays waited
+    are tests/ops/test_worker.py's)."""
+    from flows.algorithms import stages_for
+    from tasks.stages import RETRIES, save_checkpoint, task_for, validate, with_retries
+
+    default = load_config(None, [])
+    assert len(default.trainer.stage_retry_delays_s) == RETRIES
+    plan = SimpleNamespace(retry_delays_s=[0.0, 1.5, 4.0])
+    tasks = [task_for(stage, plan) for stage in stages_for(default)]
+    for task in [*tasks, with_retries(save_checkpoint, plan), with_retries(validate, plan)]:
+        assert (task.retries, task.retry_delay_seconds) == (3, [0.0, 1.5, 4.0]), task.name
+    none = task_for(stages_for(default)[0], SimpleNamespace(retry_delays_s=[]))
+    assert none.retries == 0 and none.name == stages_for(default)[0].name
+    for bad in ("[-1]", "[1,1,1,1,1,1,1,1,1,1,1]"):
+        with pytest.raises(ConfigError, match=re.escape("trainer.stage_retry_delays_s")):
+            load_config(None, [f"trainer.stage_retry_delays_s={bad}"])
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

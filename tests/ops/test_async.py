@@ -170,7 +170,7 @@ def test_failed_then_killed_async_run_resumes_like_the_uninterrupted_one(cli: Cl
     their buffers (no checkpoint yet), gives the rollout pool version 2, and goes on to the uninterrupted
     run's weights. No complete buffer is ever rewritten."""
     failed = cli("train", *args(tiny_model_dir, tmp_path, "async-fail", *SPLIT, *PARTIAL,
-                                "debug.fail_stage=compute_advantages", "debug.fail_times=3",
+                                "debug.fail_stage=compute_advantages", "debug.fail_times=3", "trainer.stage_retry_delays_s=[0,0]",
                                 "debug.fail_iteration=3"))
     assert failed.returncode != 0 and failed.returncode != -signal.SIGKILL, failed.stderr[-3000:]
     assert "debug.fail_stage=compute_advantages: failure 3 of 3" in failed.stdout + failed.stderr

@@ -99,7 +99,7 @@ def test_failed_then_killed_dynamic_sampling_run_resumes_like_the_uninterrupted_
     engine, right after that iteration's update; the second resume starts a new engine and ends with the
     uninterrupted run's weights and sampler steps. No complete buffer is ever rewritten."""
     failed = cli("train", *args(tiny_model_dir, tmp_path, "ds-fail", "debug.fail_stage=compute_advantages",
-                                "debug.fail_times=3", "debug.fail_iteration=2"))
+                                "debug.fail_times=3", "trainer.stage_retry_delays_s=[0,0]", "debug.fail_iteration=2"))
     assert failed.returncode != 0 and failed.returncode != -signal.SIGKILL, failed.stderr[-3000:]
     assert metrics_done(tmp_path, "ds-fail") == [1]
     before = buffers(tmp_path, "ds-fail")

@@ -126,7 +126,7 @@ def test_failed_then_killed_run_resumes_like_the_uninterrupted_one(
     episodes and is killed, flow and engine, right after that iteration's update; the second resume ends
     with the uninterrupted environment run's weights. No complete buffer is ever rewritten."""
     failed = cli("train", *args(tiny_model_dir, tmp_path, "env-fail", "debug.fail_stage=compute_advantages",
-                                "debug.fail_times=3", "debug.fail_iteration=2", side=side))
+                                "debug.fail_times=3", "trainer.stage_retry_delays_s=[0,0]", "debug.fail_iteration=2", side=side))
     assert failed.returncode != 0 and failed.returncode != -signal.SIGKILL, failed.stderr[-3000:]
     assert metrics_done(tmp_path, "env-fail") == [1]
     before = buffers(tmp_path, "env-fail")

@@ -176,7 +176,7 @@ def test_failed_then_killed_vllm_run_resumes_like_the_uninterrupted_one(
     (The resume path is the rollout engine's business only through the weights it is given: the same
     faults on the hf rollout are tests/ops/test_async.py's and tests/ops/test_faults.py's.)"""
     failed = cli("train", *vllm_args(calc_model_dir, tmp_path, "vllm-fail", "debug.fail_stage=compute_advantages",
-                                     "debug.fail_times=3", "debug.fail_iteration=2"))
+                                     "debug.fail_times=3", "trainer.stage_retry_delays_s=[0,0]", "debug.fail_iteration=2"))
     assert failed.returncode != 0 and failed.returncode != -signal.SIGKILL, failed.stderr[-3000:]
     assert metrics_done(tmp_path, "vllm-fail") == [0, 1]  # 0: the validation before training
     before = buffers(tmp_path, "vllm-fail")

@@ -1,6 +1,6 @@
 """Post-training besides RL on the same machinery, through the real CLI, stack, Prefect deployment and
-storage, on two ranks (the chain on one): supervised fine-tuning (`rlflow sft`), DPO, and on-policy
-distillation.
+storage: supervised fine-tuning (`rlflow sft`) and DPO on two ranks, on-policy distillation and the chain
+on one (that sharded equals one process is tests/engine/test_gradients.py's claim).
 
 - SFT on the sort task's demonstrations (each prompt with its reference answer as the assistant's turn),
   4 iterations of 8 conversations, two optimizer steps each: each iteration's `sft` buffer holds exactly
@@ -9,23 +9,25 @@ distillation.
 - Distillation: the tiny model as the student, the SFT run's export as the teacher (the same tokenizer):
   the teacher's buffer holds the teacher model's own log-probs of the sampled tokens, and each token's
   advantage is its log-ratio, teacher minus student.
-- For SFT and for distillation, a deployed run whose update of iteration 2 fails past its retries is
-  retried through the call the UI's Retry button makes: the retry reuses the iteration's finished stages
-  (`Cached`, buffers untouched) and, two iterations a flow run, goes on through iteration 3. The lineage
-  then goes on from the CLI, is killed (flow and engine) right after iteration 4's update, and resumed:
-  the uninterrupted run's weights, bit for bit, and no complete buffer ever rewritten.
+- For SFT and for distillation at once, a deployed run whose update of iteration 2 fails past its retries
+  is retried through the call the UI's Retry button makes: the retry reuses the iteration's finished
+  stages (`Cached`, buffers untouched), goes on, and its flow process is killed right after iteration 4's
+  update. With the engine it left stopped, `rlflow train --resume` ends with the uninterrupted run's
+  weights, bit for bit, and no complete buffer ever rewritten.
 - DPO (configs/tiny_dpo.yaml) with LoRA adapters, two iterations: the reference's log-probs of both
   responses of every pair are the base model's (the actor with its adapters off), iteration 1's loss is
   log 2 (the policy is its reference), and on held-out pairs the implicit reward margin grows from 0.
 - A chained deployment (`rlflow deploy SFT_CONFIG --then RL_CONFIG`) run two nights: each night an SFT
   run on the data file as it is then, then an RL run from its checkpoint, each its own flow run; the
   second night's SFT run starts from the first night's RL weights, and every run.json names its parent.
+
+One `rlflow serve` serves the module's three deployments.
 """
 
 from __future__ import annotations
 
 import json
-import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,7 @@ import torch
 
 from tasks.stages import RETRIES
 from tests.ops.conftest import NEVER, run_args, serving, subflow_runs, task_states, trigger, wait_for
-from tests.ops.test_async import assert_equal_weights
+from tests.ops.test_async import assert_equal_weights, metrics_done
 from tests.ops.test_dynamic_sampling import buffer
 from tests.ops.test_dynamic_sampling import weights as shared_weights
 from tests.ops.test_faults import buffers
@@ -46,7 +48,8 @@ ITERATIONS = 4
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_sft.yaml"
 DPO_CONFIG = CONFIG.with_name("tiny_dpo.yaml")
 DISTILL_CONFIG = CONFIG.with_name("tiny_distill.yaml")
-FAULT = ("debug.fail_stage=update_policy", f"debug.fail_times={RETRIES + 1}", "debug.fail_iteration=2")
+FAULT = ("debug.fail_stage=update_policy", f"debug.fail_times={RETRIES + 1}", "debug.fail_iteration=2",
+         "trainer.stage_retry_delays_s=[0,0]")
 
 
 def args(model: Path, root: Path, *extra: str) -> list[str]:
@@ -109,9 +112,9 @@ def test_the_conversations_are_the_samplers_and_the_validation_loss_falls(refere
 
 
 def distill_args(model: Path, root: Path, teacher: Path, *extra: str) -> list[str]:
-    """configs/tiny_distill.yaml, smaller: 8 prompts x 2 responses of 8 tokens an iteration."""
+    """configs/tiny_distill.yaml, smaller: 8 prompts x 2 responses of 8 tokens an iteration, on one rank."""
     return [f"model.path={model}", f"storage.root={root}", f"teacher.path={teacher}",
-            f"trainer.total_iterations={ITERATIONS}", "trainer.world_size=2", "trainer.save_every=1",
+            f"trainer.total_iterations={ITERATIONS}", "trainer.world_size=1", "trainer.save_every=1",
             "trainer.val_every=0", "data.train_size=64", "data.val_size=16", "data.train_batch_size=8", "rollout.n=2",
             "rollout.max_new_tokens=8", "actor.mini_batch_size=8", "actor.micro_batch_size=4", "actor.lr=1e-3",
             "rollout.val_do_sample=false", *extra]
@@ -149,59 +152,86 @@ def test_distillation_scores_every_token_by_the_teacher(distilled: dict) -> None
         assert line["distill/reverse_kl"] == pytest.approx(-float(adv[mask.bool()].mean()), rel=1e-5)
 
 
-RETRIED = {  # the objective's CLI run, its buffer of iteration 2 that the retry must reuse, and its reused stages
+RETRIED = {  # the objective's deployment, its buffer of iteration 2 that the retry must reuse, and its reused stages
     "sft": ("sft-retry", "sft.parquet", ("load_conversations",)),
     "distill": ("distill-retry", "rollout.parquet", ("generate_rollouts", "compute_teacher_logprobs", "score_rewards",
                                                      "compute_advantages")),
 }
+CHAIN = "chain-nightly"
+# The deployed runs fail in iteration 2's update past its retries; their Retry goes on and its flow process is
+# killed right after iteration 4's update (the machine dies): a crash, then the resume.
+KILL = ("trainer.iterations_per_run=4", "debug.kill_flow_after=update_policy", "debug.kill_iteration=4")
 
 
-@pytest.mark.parametrize("objective", list(RETRIED))
-def test_retry_then_kill_and_resume(objective: str, cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path,
-                                    prefect: Any, request: pytest.FixtureRequest) -> None:
+@pytest.fixture(scope="module")
+def served(cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path, reference: dict, distilled: dict,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The module's deployments (the two objectives' failing runs and the SFT -> RL chain), served by one
+    `rlflow serve` until the module ends."""
+    root = tmp_path_factory.mktemp("deployed")
+    retried, data = root / "runs", root / "demos.parquet"
+    deployed = {
+        RETRIED["sft"][0]: [str(CONFIG), *args(tiny_model_dir, retried, *FAULT, *KILL)],
+        RETRIED["distill"][0]: [str(DISTILL_CONFIG), *distill_args(tiny_model_dir, retried, distilled["teacher"], *FAULT,
+                                                                  *KILL)],
+    }
+    _conversations(data, 0)
+    chained = root / "chain"
+    sft = [str(CONFIG), f"model.path={tiny_model_dir}", f"storage.root={chained}", f"data.train_files=[{data}]",
+           "trainer.total_iterations=1", "trainer.world_size=1", "trainer.save_every=1", "trainer.val_every=0",
+           "data.train_batch_size=8", "actor.mini_batch_size=8", "actor.micro_batch_size=8"]
+    rl = run_args(tiny_model_dir, chained, "trainer.total_iterations=1")  # one iteration each: the lineage is the claim
+    deployed[CHAIN] = [*sft, "--then", str(CONFIG.with_name("tiny_grpo.yaml")), *(x for a in rl for x in ("--then-set", a))]
+    for name, argv in deployed.items():
+        proc = warm_cli("deploy", *argv, "--name", name, "--cron", NEVER)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    with serving(cli, list(deployed), root / "serve-home") as server:  # each run stops its engine at its end
+        yield {"server": server, "retried": retried, "chain": chained, "data": data,
+               "references": {"sft": reference, "distill": distilled}}
+
+
+def test_retry_then_kill_and_resume(served: dict[str, Any], cli: Cli, warm_cli: WarmCli, prefect: Any) -> None:
+    """Both objectives at once: each deployed run fails, is retried through the call the UI's Retry button
+    makes (its finished stages `Cached`, their buffers untouched), goes on and is killed after iteration 4's
+    update, and resumes from storage alone (its engine stopped) to the uninterrupted run's weights."""
     from prefect.states import AwaitingRetry
 
-    name, kept_buffer, reused = RETRIED[objective]
-    root = tmp_path / "runs"
-    if objective == "sft":
-        ref = request.getfixturevalue("reference")
-        deployed = [str(CONFIG), *args(tiny_model_dir, root, "trainer.iterations_per_run=2", *FAULT)]
-        loss = "actor/sft_loss"
-    else:
-        ref = request.getfixturevalue("distilled")
-        deployed = [str(DISTILL_CONFIG), *distill_args(tiny_model_dir, root, ref["teacher"], "trainer.iterations_per_run=2",
-                                                       *FAULT)]
-        loss = "distill/reverse_kl"
-    proc = warm_cli("deploy", *deployed, "--name", name, "--cron", NEVER)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    try:
-        with serving(cli, [name], tmp_path / "serve-home") as server:
-            run = wait_for(prefect, trigger(prefect, name).id, lambda s: s.is_final(), server)
-            assert run.state.is_failed(), f"{run.state.name}: {run.state.message}\n{server.tail()}"
-            path = root / name / "buffers" / "iter_000002" / kept_buffer
-            before = (path.stat().st_mtime_ns, path.read_bytes())
-            assert prefect.set_flow_run_state(run.id, AwaitingRetry(message="retried")).status.value == "ACCEPT"
-            done = wait_for(prefect, run.id, lambda s: s.is_final() and s.name != "AwaitingRetry", server)
-            assert done.state.is_completed(), f"{done.state.name}: {done.state.message}\n{server.tail()}"
+    server, root = served["server"], served["retried"]
+    runs = {objective: trigger(prefect, name) for objective, (name, _, _) in RETRIED.items()}
+    before = {}
+    for objective, run in runs.items():
+        name, kept_buffer, _ = RETRIED[objective]
+        run = wait_for(prefect, run.id, lambda s: s.is_final(), server)
+        assert run.state.is_failed(), f"{run.state.name}: {run.state.message}\n{server.tail()}"
+        path = root / name / "buffers" / "iter_000002" / kept_buffer
+        before[objective] = (path, path.stat().st_mtime_ns, path.read_bytes())
+        assert prefect.set_flow_run_state(run.id, AwaitingRetry(message="retried")).status.value == "ACCEPT"
+    stops = []
+    for objective, run in runs.items():
+        name, _, reused = RETRIED[objective]
+        done = wait_for(prefect, run.id, lambda s: s.is_final() and s.name != "AwaitingRetry", server)
+        assert done.state.is_crashed() and done.run_count == 2, f"{done.state.name}: {done.state.message}\n{server.tail()}"
+        stops.append(cli.popen("engine", "stop", name))  # what the killed flow left running: resume from storage
         retried = subflow_runs(prefect, run.id)[-1]
         iteration = [r for r in subflow_runs(prefect, retried.id) if r.name == "iter-000002"]
         states = task_states(prefect, iteration[0].id)
         assert {s: states.get(s) for s in reused} == dict.fromkeys(reused, "Cached"), states
         assert states.get("update_policy") == "Completed", states
-        assert (path.stat().st_mtime_ns, path.read_bytes()) == before
+        path, *kept = before[objective]
+        assert [path.stat().st_mtime_ns, path.read_bytes()] == kept
+    for stop in stops:
+        assert stop.wait(120) == 0, stop.communicate()[0][-2000:]
+    loss = {"sft": "actor/sft_loss", "distill": "distill/reverse_kl"}
+    for objective, (name, _, _) in RETRIED.items():
+        assert metrics_done(root, name)[-2:] == [2, 3], objective  # killed before iteration 4's metrics
         kept = buffers(root, name)
-        killed = cli("train", "--resume", name, f"storage.root={root}", "debug.kill_flow_after=update_policy",
-                     "debug.kill_iteration=4")
-        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    finally:
-        cli("engine", "stop", name)
-    again = warm_cli("train", "--resume", name, f"storage.root={root}")
-    assert again.returncode == 0, again.stderr[-4000:]
-    after = buffers(root, name)
-    assert all(after[k] == v for k, v in kept.items())  # nothing complete was written again
-    assert_equal_weights(weights(root, name), ref["weights"])
-    mine = [metrics(root, name)[i].get(loss) for i in range(1, ITERATIONS + 1)]
-    assert None not in mine and mine == [ref["metrics"][i].get(loss) for i in range(1, ITERATIONS + 1)]
+        again = warm_cli("train", "--resume", name, f"storage.root={root}")
+        assert again.returncode == 0, again.stderr[-4000:]
+        assert all(buffers(root, name)[k] == v for k, v in kept.items())  # nothing complete was written again
+        ref = served["references"][objective]
+        assert_equal_weights(weights(root, name), ref["weights"])
+        mine = [metrics(root, name)[i].get(loss[objective]) for i in range(1, ITERATIONS + 1)]
+        assert None not in mine and mine == [ref["metrics"][i].get(loss[objective]) for i in range(1, ITERATIONS + 1)]
 
 
 def test_a_dpo_run_against_the_base_model_as_its_reference(warm_cli: WarmCli, tiny_model_dir: Path,
@@ -247,38 +277,28 @@ def _conversations(path: Path, offset: int) -> Path:
     return write_rows_parquet(demonstrations(make_rows("sort", 16 + offset, 0, "train")[offset:], solution_text), path)
 
 
-def test_a_chained_deployment_continues_its_lineage_the_next_night(cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path,
-                                                                    tmp_path: Path, prefect: Any) -> None:
+def test_a_chained_deployment_continues_its_lineage_the_next_night(served: dict[str, Any], prefect: Any) -> None:
     from safetensors.torch import load_file
 
-    root, data = tmp_path / "runs", tmp_path / "demos.parquet"
-    _conversations(data, 0)
-    sft = [str(CONFIG), f"model.path={tiny_model_dir}", f"storage.root={root}", f"data.train_files=[{data}]",
-           "trainer.total_iterations=2", "trainer.world_size=1", "trainer.save_every=2", "trainer.val_every=0",
-           "data.train_batch_size=8", "actor.mini_batch_size=8", "actor.micro_batch_size=8"]
-    rl = run_args(tiny_model_dir, root, "trainer.val_every=0")
-    proc = warm_cli("deploy", *sft, "--then", str(CONFIG.with_name("tiny_grpo.yaml")),
-                    *(x for a in rl for x in ("--then-set", a)), "--name", "chain-nightly", "--cron", NEVER)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    server, root = served["server"], served["chain"]
     nights = []
-    with serving(cli, ["chain-nightly"], tmp_path / "serve-home") as server:  # each run stops its engine at its end
-        for night in (1, 2):
-            if night == 2:
-                _conversations(data, 16)  # the newest demonstrations: the second night trains on them
-            run = wait_for(prefect, trigger(prefect, "chain-nightly").id, lambda s: s.is_final(), server)
-            assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{server.tail()}"
-            stages = subflow_runs(prefect, run.id)  # the night's two train flow runs, SFT then RL
-            assert [r.name.rsplit("-", 1)[1] for r in stages] == ["sft", "rl"], [r.name for r in stages]
-            assert all(r.state.is_completed() for r in stages)
-            nights.append([r.name for r in stages])
+    for night in (1, 2):
+        if night == 2:
+            _conversations(served["data"], 16)  # the newest demonstrations: the second night trains on them
+        run = wait_for(prefect, trigger(prefect, CHAIN).id, lambda s: s.is_final(), server)
+        assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{server.tail()}"
+        stages = subflow_runs(prefect, run.id)  # the night's two train flow runs, SFT then RL
+        assert [r.name.rsplit("-", 1)[1] for r in stages] == ["sft", "rl"], [r.name for r in stages]
+        assert all(r.state.is_completed() for r in stages)
+        nights.append([r.name for r in stages])
     info = {r: json.loads((root / r / "run.json").read_text()) for night in nights for r in night}
     (sft1, rl1), (sft2, rl2) = nights
     parents = {r: (i["parent"] or {}).get("run_id") for r, i in info.items()}
     assert parents == {sft1: None, rl1: sft1, sft2: rl1, rl2: sft2}, parents
-    assert all((info[r]["parent"] or {}).get("step", 2) == 2 for r in info)
+    assert all((info[r]["parent"] or {}).get("step", 1) == 1 for r in info)
     # the second night's SFT started from the first night's RL weights, exactly
     start = load_file(Path(info[sft2]["parent"]["model_path"]) / "model.safetensors")
-    assert_equal_weights(start, load_file(root / rl1 / "export" / "step_000002" / "model.safetensors"))
+    assert_equal_weights(start, load_file(root / rl1 / "export" / "step_000001" / "model.safetensors"))
     # and trained on the data as it was that night
     first, second = (buffer(root, r, 1, "sft")["input_ids"] for r in (sft1, sft2))
     assert not torch.equal(first, second)

@@ -29,7 +29,10 @@ from tests.services import Cli
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 POOL = "rlflow-test-pool"
 REUSED = ("generate_rollouts", "score_rewards", "compute_old_logprobs", "compute_advantages")
-FAULT = ["debug.fail_stage=update_policy", f"debug.fail_times={RETRIES + 1}", "debug.fail_iteration=2"]
+# The update of iteration 2 fails past its retries: the first at once, the second 3 s later.
+DELAYS = [0.0, 3.0]
+FAULT = ["debug.fail_stage=update_policy", f"debug.fail_times={RETRIES + 1}", "debug.fail_iteration=2",
+         f"trainer.stage_retry_delays_s={DELAYS}"]
 # An environment plays the rollouts (its reward replaces the rule's): 4 prompts x 4 episodes, two turns each.
 ENV = ["rollout.multi_turn.enable=true", "rollout.env=engine.rollout.builtin_envs:GuessNumber",
        "rollout.multi_turn.max_turns=2", "rollout.max_new_tokens=24", "data.max_prompt_length=32",
@@ -95,6 +98,19 @@ def _first_scheduled_run(client: Any, deployment_id: Any, running: Worker, timeo
     return started[0]
 
 
+def retry_delays(client: Any, flow_run_id: Any, stage: str) -> list[float]:
+    """Seconds from each AwaitingRetry of `stage` in iteration 2 of the flow run's train run to when its
+    retry was scheduled."""
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
+
+    train = subflow_runs(client, flow_run_id)[0]
+    iteration = next(r for r in subflow_runs(client, train.id) if r.name == "iter-000002")
+    tasks = client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[iteration.id])))
+    task = next(t for t in tasks if t.name.rsplit("-", 1)[0] == stage)
+    waits = [s for s in client.read_task_run_states(task.id) if s.name == "AwaitingRetry"]
+    return [(s.state_details.scheduled_time - s.timestamp).total_seconds() for s in sorted(waits, key=lambda s: s.timestamp)]
+
+
 def test_a_worker_executes_a_run_and_its_retry_reuses_finished_stages(
         cli: Cli, tiny_model_dir: Path, tmp_path: Path, prefect: Any, stack_home: Path) -> None:
     from prefect.states import AwaitingRetry
@@ -115,6 +131,7 @@ def test_a_worker_executes_a_run_and_its_retry_reuses_finished_stages(
                            lambda s: s.is_final(), running)
             assert run.state.is_failed(), f"{run.state.name}: {run.state.message}\n{running.tail()}"
             assert run.work_pool_name == POOL and run.auto_scheduled  # made by the schedule, run by the worker
+            assert retry_delays(prefect, run.id, "update_policy") == pytest.approx(DELAYS, abs=0.5)
             rollout = root / "pooled" / "buffers" / "iter_000002" / "rollout.parquet"
             before = (rollout.stat().st_mtime_ns, rollout.read_bytes())
             assert prefect.set_flow_run_state(run.id, AwaitingRetry(message="retried")).status.value == "ACCEPT"

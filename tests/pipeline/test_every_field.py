@@ -259,6 +259,7 @@ EFFECTS: dict[str, Run | Refused | AtStart | Shown] = {
     "trainer.keep_engine": Shown(f"{CLUSTER}::test_lost_node_mid_update_waits_for_a_replacement"),
     "trainer.max_engine_restarts": Run("0", "killed", fails=True),
     "trainer.stage_timeout_s": Shown("tests/test_config.py::test_stage_timeouts_default_scales_with_the_batch_and_is_set_per_stage"),
+    "trainer.stage_retry_delays_s": Shown("tests/ops/test_worker.py::test_a_worker_executes_a_run_and_its_retry_reuses_finished_stages"),
     "trainer.stage_timeouts": Shown(f"{FAULTS}::test_hung_rank_mid_update_is_restarted"),
     "trainer.capacity_timeout_s": Shown(f"{CLUSTER}::test_no_capacity_in_time_fails_then_resume_goes_on"),
     "trainer.loggers": Shown("tests/ops/test_credentials.py::test_secret_not_in_persisted_results_or_logger_files"),
