@@ -74,7 +74,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def lineage(cli: Cli, tiny_model_dir: Path, root: Path, api_url: str, stack_home: Path,
+def lineage(cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path, root: Path, api_url: str, stack_home: Path,
             tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """`nightly` (every 20 s, one iteration a run, ENQUEUE) continued by its first scheduled run and by
     a run asked for while that one runs."""
@@ -82,7 +82,7 @@ def lineage(cli: Cli, tiny_model_dir: Path, root: Path, api_url: str, stack_home
     from prefect.settings import temporary_settings
 
     start = time.monotonic()
-    proc = cli("deploy", *run_args(tiny_model_dir, root, "trainer.iterations_per_run=1", *LORA), "--name", LINEAGE,
+    proc = warm_cli("deploy", *run_args(tiny_model_dir, root, "trainer.iterations_per_run=1", *LORA), "--name", LINEAGE,
                "--interval", str(INTERVAL_S))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"deployment {FLOW}/{LINEAGE}" in proc.stdout
@@ -124,7 +124,7 @@ def _scheduled_then_queued(client: Any, deployment_id: Any, server: Server, time
     return runs
 
 
-def test_continue_lineage_on_schedule(lineage: dict[str, Any], root: Path, cli: Cli, tiny_model_dir: Path) -> None:
+def test_continue_lineage_on_schedule(lineage: dict[str, Any], root: Path, warm_cli: WarmCli, tiny_model_dir: Path) -> None:
     first, second = lineage["runs"]
     assert first.auto_scheduled and not second.auto_scheduled  # made by the schedule; by hand meanwhile
     # It came while the first ran: it waited, and they never overlapped.
@@ -155,17 +155,17 @@ def test_continue_lineage_on_schedule(lineage: dict[str, Any], root: Path, cli: 
     adapters = [load_file(run / "export" / f"step_{i:06d}" / "adapter_model.safetensors") for i in (1, 2)]
     assert adapters[0].keys() == adapters[1].keys()
     assert any(not bool((adapters[0][k] == adapters[1][k]).all()) for k in adapters[0])
-    shown = cli("runs", "show", LINEAGE, "--root", str(root))
+    shown = warm_cli("runs", "show", LINEAGE, "--root", str(root))
     assert shown.returncode == 0 and "code version" in shown.stdout and info["config_hash"][:12] in shown.stdout
 
 
-def test_fresh_run_from_base_checkpoint(lineage: dict[str, Any], cli: Cli, tiny_model_dir: Path, root: Path,
-                                        prefect: Any, tmp_path: Path) -> None:
+def test_fresh_run_from_base_checkpoint(lineage: dict[str, Any], cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path,
+                                        root: Path, prefect: Any, tmp_path: Path) -> None:
     """Mode fresh with CANCEL_NEW: two runs due at once, one starts a new run from `nightly` step 2 and the
     other is cancelled."""
     name = "branch"
     base = str(root / LINEAGE / "checkpoints" / "step_000002")  # the URL form; `nightly:2` is the same
-    proc = cli("deploy", *run_args(tiny_model_dir, root, "trainer.total_iterations=1"), "--name", name,
+    proc = warm_cli("deploy", *run_args(tiny_model_dir, root, "trainer.total_iterations=1"), "--name", name,
                "--mode", "fresh", "--base-checkpoint", base, "--collision", "cancel-new", "--cron", NEVER)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with serving(cli, [name], tmp_path / "serve-home") as server:
@@ -185,6 +185,6 @@ def test_fresh_run_from_base_checkpoint(lineage: dict[str, Any], cli: Cli, tiny_
     exported = load_file(root / LINEAGE / "export" / "step_000002_merged" / "model.safetensors")
     assert made.keys() == exported.keys() and all(bool((made[k] == exported[k]).all()) for k in made)
     assert (root / child / "metrics" / "iter_000001.json").exists()
-    shown = cli("runs", "show", child, "--root", str(root))
+    shown = warm_cli("runs", "show", child, "--root", str(root))
     assert shown.returncode == 0 and f"{LINEAGE} step 2" in shown.stdout, shown.stdout
 

@@ -24,7 +24,7 @@ import pytest
 
 from tasks.stages import RETRIES
 from tests.ops.conftest import REWARD, Server, run_args, subflow_runs, task_states, wait_for
-from tests.services import Cli
+from tests.services import Cli, WarmCli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 POOL = "rlflow-test-pool"
@@ -112,12 +112,12 @@ def retry_delays(client: Any, flow_run_id: Any, stage: str) -> list[float]:
 
 
 def test_a_worker_executes_a_run_and_its_retry_reuses_finished_stages(
-        cli: Cli, tiny_model_dir: Path, tmp_path: Path, prefect: Any, stack_home: Path) -> None:
+        cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path, prefect: Any, stack_home: Path) -> None:
     from prefect.states import AwaitingRetry
 
     root = tmp_path / "runs"
     args = [a for a in run_args(tiny_model_dir, root, "trainer.iterations_per_run=2", *FAULT, *ENV) if a != REWARD]
-    proc = cli("deploy", *args, "--name", "pooled", "--interval", "15", "--pool", POOL)
+    proc = warm_cli("deploy", *args, "--name", "pooled", "--interval", "15", "--pool", POOL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"`prefect worker start --pool {POOL}` executes its runs" in proc.stdout
     deployment = prefect.read_deployment_by_name("rlflow-scheduled/pooled")
