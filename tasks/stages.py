@@ -38,7 +38,6 @@ from tasks.context import RunPlan, StageContext, context
 from tasks.faults import maybe_fail, maybe_kill_rank, maybe_kill_uploader
 from tasks.graph import StageSpec, load_user_stage
 
-RETRIES = 2  # trainer.stage_retry_delays_s's default has two delays; each run sets its own (with_retries)
 # A stage that hangs becomes a failure. Generous: the engine's own per-call timeout
 # (trainer.stage_timeout_s) is what bounds a single engine call.
 STAGE_TIMEOUT_S = 4 * 3600
@@ -84,8 +83,8 @@ def stage_task(name: str, cache: bool = True) -> Any:
                 result.span = (start, time.time())
             return result
 
-        options: dict[str, Any] = {"name": name, "retries": RETRIES, "retry_delay_seconds": [2, 10],
-                                   "retry_condition_fn": retry_unless_engine_gone, "persist_result": True,
+        # the retries and their delays are the run's (trainer.stage_retry_delays_s): with_retries sets them
+        options: dict[str, Any] = {"name": name, "retry_condition_fn": retry_unless_engine_gone, "persist_result": True,
                                    "timeout_seconds": STAGE_TIMEOUT_S}
         if cache:
             options["cache_key_fn"] = stage_cache_key

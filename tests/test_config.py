@@ -340,10 +340,10 @@ def test_stage_retries_are_the_runs() -> None:
     """trainer.stage_retry_delays_s: one retry per delay, on every stage task of the run (the delays waited
     are tests/ops/test_worker.py's)."""
     from flows.algorithms import stages_for
-    from tasks.stages import RETRIES, save_checkpoint, task_for, validate, with_retries
+    from tasks.stages import save_checkpoint, task_for, validate, with_retries
 
     default = load_config(None, [])
-    assert len(default.trainer.stage_retry_delays_s) == RETRIES
+    assert default.trainer.stage_retry_delays_s == [2.0, 10.0]
     plan = SimpleNamespace(retry_delays_s=[0.0, 1.5, 4.0])
     tasks = [task_for(stage, plan) for stage in stages_for(default)]
     for task in [*tasks, with_retries(save_checkpoint, plan), with_retries(validate, plan)]:

@@ -35,7 +35,6 @@ import pandas as pd
 import pytest
 import torch
 
-from tasks.stages import RETRIES
 from tests.ops.conftest import NEVER, run_args, serving, subflow_runs, task_states, trigger, wait_for
 from tests.ops.test_async import assert_equal_weights, metrics_done
 from tests.ops.test_dynamic_sampling import buffer
@@ -48,7 +47,7 @@ ITERATIONS = 4
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_sft.yaml"
 DPO_CONFIG = CONFIG.with_name("tiny_dpo.yaml")
 DISTILL_CONFIG = CONFIG.with_name("tiny_distill.yaml")
-FAULT = ("debug.fail_stage=update_policy", f"debug.fail_times={RETRIES + 1}", "debug.fail_iteration=2",
+FAULT = ("debug.fail_stage=update_policy", "debug.fail_times=3", "debug.fail_iteration=2",
          "trainer.stage_retry_delays_s=[0,0]")
 
 

@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 
-from tasks.stages import RETRIES
 from tests.ops.conftest import (
     NEVER,
     REWARD,
@@ -39,7 +38,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REUSED = ("generate_rollouts", "score_rewards", "compute_old_logprobs", "compute_advantages")
 # update_policy of iteration 2 fails on every attempt of the first flow run (the task's own retries
 # included), then passes: the count is kept in storage (tasks/faults.py).
-FAULT = ["debug.fail_stage=update_policy", f"debug.fail_times={RETRIES + 1}", "debug.fail_iteration=2",
+FAULT = ["debug.fail_stage=update_policy", "debug.fail_times=3", "debug.fail_iteration=2",
          "trainer.stage_retry_delays_s=[0,0]"]
 # The runs train LoRA adapters: Retry of a LoRA run (full fine-tuning's Retry is the same flow path).
 LORA = ["actor.lora.rank=4", "actor.lora.alpha=8"]

@@ -22,7 +22,6 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from tasks.stages import RETRIES
 from tests.ops.conftest import REWARD, Server, run_args, subflow_runs, task_states, wait_for
 from tests.services import Cli, WarmCli
 
@@ -31,7 +30,7 @@ POOL = "rlflow-test-pool"
 REUSED = ("generate_rollouts", "score_rewards", "compute_old_logprobs", "compute_advantages")
 # The update of iteration 2 fails past its retries: the first at once, the second 3 s later.
 DELAYS = [0.0, 3.0]
-FAULT = ["debug.fail_stage=update_policy", f"debug.fail_times={RETRIES + 1}", "debug.fail_iteration=2",
+FAULT = ["debug.fail_stage=update_policy", "debug.fail_times=3", "debug.fail_iteration=2",
          f"trainer.stage_retry_delays_s={DELAYS}"]
 # An environment plays the rollouts (its reward replaces the rule's): 4 prompts x 4 episodes, two turns each.
 ENV = ["rollout.multi_turn.enable=true", "rollout.env=engine.rollout.builtin_envs:GuessNumber",
