@@ -304,7 +304,7 @@ class CheckpointStore:
     def fetch(self, step: int, local_dir: str) -> Manifest:
         """Download `step` into `local_dir`, verifying every file on the way: each is hashed as
         its bytes arrive (parallel per file), so verification costs no second pass."""
-        manifest = self.read_manifest(step)
+        manifest = self.check_listing(step)
 
         def get(entry: FileEntry) -> None:
             key, path = self.step_key(step, entry.path), os.path.join(local_dir, *entry.path.split("/"))
@@ -322,14 +322,22 @@ class CheckpointStore:
         return manifest
 
     def check_listing(self, step: int) -> Manifest:
-        """The manifest of `step`, with every file it lists present at its size (a listing: nothing is
-        read). The contents are verified by whoever reads them (`restore`)."""
+        """The manifest of `step`, with every file it lists present at its size and no file it does not
+        list (a listing: nothing is read). The contents are verified by whoever reads them (`restore`)."""
         manifest = self.read_manifest(step)
         sizes = {_rel(o, self.step_key(step)): o.size for o in self.store.list(self.step_key(step))}
         for entry in manifest.files:
             if entry.path not in sizes:
                 raise IntegrityError(f"{self.step_url(step, entry.path)} is missing (listed in the manifest)")
             self._check(step, entry, sizes[entry.path], None)
+        listed = {entry.path for entry in manifest.files}
+        # Besides the manifest, only the writers' hash records may be left (a crash between the commit and
+        # their removal); nothing reads them once the step is committed.
+        extra = sorted(rel for rel in sizes if rel not in listed and rel != layout.MANIFEST
+                       and not rel.startswith(f"{HASH_DIR}/"))
+        if extra:
+            raise IntegrityError(f"{self.step_url(step, extra[0])} is not in the manifest (a committed step holds "
+                                 "only the files its manifest lists)")
         return manifest
 
     def restore(self, load: Callable[[int, Manifest], None]) -> int | None:

@@ -191,6 +191,30 @@ def test_missing_and_truncated_files_fail_verification(store: ObjectStore, tmp_p
         ckpts.read_manifest(9)
 
 
+def test_a_file_the_manifest_does_not_list_fails_verification(store: ObjectStore, tmp_path) -> None:
+    """A committed step holds only what its manifest lists: a file planted after the commit (here a shard
+    next to the real ones) makes the step fail verification, and the previous one is loaded; a hash record
+    left by a crash between the commit and its removal is no such file."""
+    ckpts = CheckpointStore(store, "run1")
+    _save(ckpts, 1, _state(1))
+    _save(ckpts, 2, _state(2))
+    store.put_bytes(f"run1/checkpoints/step_000002/{HASH_DIR}/left.json", b'{"files": []}')
+    ckpts.verify(2)
+    store.put_bytes("run1/checkpoints/step_000002/policy/__9_0.distcp", b"planted")
+    with pytest.raises(IntegrityError, match=r"step_000002/policy/__9_0.distcp is not in the manifest"):
+        ckpts.verify(2)
+    with pytest.raises(IntegrityError, match="is not in the manifest"):
+        ckpts.fetch(2, str(tmp_path / "x"))
+    with pytest.warns(CheckpointFallbackWarning, match="step 2 .*__9_0.distcp is not in the manifest.*falling back "
+                                                       "to step 1"):
+        loaded = ckpts.load_latest()
+    assert loaded is not None and loaded.step == 1
+    target = _zeros_like(_state(1))
+    with pytest.warns(CheckpointFallbackWarning, match="is not in the manifest"):
+        assert _restore(ckpts, target) == 1
+    assert torch.equal(target["model"]["weight"], _state(1)["model"]["weight"])
+
+
 def test_files_written_without_the_store_are_hashed_at_commit(store: ObjectStore, tmp_path) -> None:
     ckpts = CheckpointStore(store, "run1")
     ckpts.begin(5)
