@@ -275,6 +275,13 @@ class RLConfig(BaseModel):
                            ("rollout.partial_tokens", self.rollout.partial_tokens)):
             if value is not None:
                 raise _cross(key, value, "is not built with algorithm.objective=distill")
+        # The student's log-prob (rollout_logp) is over the distribution it sampled from, truncated by top-k
+        # and top-p; the teacher's is over its full one: their difference would not estimate the reverse KL.
+        for key in ("top_k", "top_p"):
+            if _differs_from_default(self.rollout, key):
+                raise _cross(f"rollout.{key}", getattr(self.rollout, key), "truncates the student's sampling "
+                             "distribution and the teacher's log-probs are over its full one, so the advantage "
+                             "would be biased: algorithm.objective=distill needs rollout.top_k=0 and rollout.top_p=1")
 
     def _check_offline(self) -> None:
         """algorithm.objective=sft or dpo generates, scores and compares nothing: a setting of the rollout,

@@ -516,6 +516,12 @@ RL_SETTING = "is a setting of RL (rollouts, rewards, advantages, the policy loss
      "critic.enable=True is not allowed: is replaced under algorithm.objective=distill"),
     (["algorithm.objective=distill", "teacher.path=/x", "rollout.partial_tokens=4"],
      "rollout.partial_tokens=4 is not allowed: is not built with algorithm.objective=distill"),
+    (["algorithm.objective=distill", "teacher.path=/x", "rollout.top_k=20"],
+     "rollout.top_k=20 is not allowed: truncates the student's sampling distribution and the teacher's log-probs "
+     "are over its full one, so the advantage would be biased: algorithm.objective=distill needs rollout.top_k=0 "
+     "and rollout.top_p=1"),
+    (["algorithm.objective=distill", "teacher.path=/x", "rollout.top_p=0.9"],
+     "rollout.top_p=0.9 is not allowed: truncates the student's sampling distribution"),
     (["algorithm.objective=dpo", "actor.max_tokens_per_micro_batch=64"],
      "actor.max_tokens_per_micro_batch=64 is not allowed: is not built with algorithm.objective=dpo"),
 ])
@@ -531,7 +537,8 @@ def test_sft_refuses_the_settings_of_rl(overrides: list[str], message: str) -> N
                              "ref.micro_batch_size=4", "data.max_length=64"]))
     assert dpo.needs_ref and dpo.algorithm.dpo_loss == "ipo"  # DPO's reference is RL's, with its settings
     distill = build_config(_raw(["algorithm.objective=distill", "teacher.path=/x", "teacher.micro_batch_size=8",
-                                 "rollout.n=1"]))  # no group: each token judged on its own
+                                 "rollout.n=1", "rollout.top_k=0", "rollout.top_p=1.0"]))  # no group: each
+    # token judged on its own; top-k and top-p at their defaults (off) are accepted
     assert distill.rows_per_iteration == 8
     with pytest.raises(ConfigError, match=re.escape("rollout.val_do_sample=True is not allowed: is a setting of RL")):
         load_config(None, list(SFT))  # the default config is RL's
