@@ -422,6 +422,10 @@ class AlgorithmConfig(Section):
                                                 "DPO's -log sigmoid(beta * margin) or IPO's (margin - 1/(2 beta))^2")
     dpo_beta: float = Field(0.1, gt=0, description="algorithm.objective=dpo: beta, the strength of the reference "
                             "(DPO's temperature, IPO's 1/(2 beta) target margin)")
+    ipo_logratio: Literal["sum", "mean"] = Field(
+        "sum", description="algorithm.dpo_loss=ipo: each response's log-ratio to the reference, summed over its "
+        "tokens (sum, the IPO paper's eq. 17 on sequence log-likelihoods) or averaged over them (mean, as TRL's "
+        "DPOTrainer with loss_type=ipo)")
     adv_estimator: str = Field("grpo", description="a name in engine.algos.ADV_ESTIMATORS")
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(1.0, ge=0, le=1)

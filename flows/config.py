@@ -174,10 +174,13 @@ class RLConfig(BaseModel):
             raise _cross("data.max_length", self.data.max_length, "bounds SFT's conversations and DPO's pairs: it "
                          "needs algorithm.objective=sft or dpo (a rollout's prompts: data.max_prompt_length)")
         if self.algorithm.objective != "dpo":
-            for key in ("dpo_loss", "dpo_beta"):
+            for key in ("dpo_loss", "dpo_beta", "ipo_logratio"):
                 if _differs_from_default(self.algorithm, key):
                     raise _cross(f"algorithm.{key}", getattr(self.algorithm, key), "is a setting of DPO: it needs "
                                  "algorithm.objective=dpo")
+        elif self.algorithm.dpo_loss != "ipo" and _differs_from_default(self.algorithm, "ipo_logratio"):
+            raise _cross("algorithm.ipo_logratio", self.algorithm.ipo_logratio, "is a setting of IPO's loss: it "
+                         "needs algorithm.dpo_loss=ipo")
         per_iter = self.rows_per_iteration
         if per_iter % ranks:
             raise _cross(
@@ -291,7 +294,8 @@ class RLConfig(BaseModel):
         inert = [*_changed(self.rollout, "rollout"), *_changed(self.reward, "reward"), *_changed(self.critic, "critic"),
                  *(_changed(self.ref, "ref") if objective == "sft" else ()),
                  *((k, v) for k, v in _changed(self.algorithm, "algorithm")
-                   if k not in ("algorithm.objective", "algorithm.dpo_loss", "algorithm.dpo_beta")),
+                   if k not in ("algorithm.objective", "algorithm.dpo_loss", "algorithm.dpo_beta",
+                                "algorithm.ipo_logratio")),
                  *((k, v) for k, v in _changed(self.actor, "actor") if k.removeprefix("actor.").split(".")[0] in SFT_INERT_ACTOR),
                  *((k, v) for k, v in _changed(self.data, "data") if k in ("data.prompt_key", "data.max_prompt_length"))]
         if inert:

@@ -461,7 +461,7 @@ def engine_spec(cfg: RLConfig, run_id: str, model_path: str, tokenizer_path: str
         use_ref=cfg.needs_ref, total_iterations=cfg.trainer.total_iterations, seed=cfg.trainer.seed,
         sandbox_isolation=cfg.reward.sandbox.isolation, max_model_len=cfg.max_model_len,
         max_prompt_length=cfg.data.max_prompt_length, objective=cfg.algorithm.objective,
-        dpo_loss=cfg.algorithm.dpo_loss, dpo_beta=cfg.algorithm.dpo_beta,
+        dpo_loss=cfg.algorithm.dpo_loss, dpo_beta=cfg.algorithm.dpo_beta, ipo_logratio=cfg.algorithm.ipo_logratio,
         teacher_path=str(Path(cfg.teacher.path).resolve()) if cfg.teacher.path else None,
         teacher_micro_batch_size=cfg.teacher.micro_batch_size,
     )

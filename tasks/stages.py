@@ -701,10 +701,13 @@ def _validate_dpo(ctx: StageContext, iteration: int) -> StageResult:
         out = _pair_log_probs(engine, pairs, iteration).with_tensors(**_pair_log_probs(engine, pairs, None).tensors)
         masks = {"": pairs["response_mask"], "rejected_": pairs["rejected_response_mask"]}
         for key in ("logp", "rejected_logp", "ref_logp", "rejected_ref_logp"):
-            parts.setdefault(key, []).append(sequence_logp(out[key], masks["rejected_" if "rejected" in key else ""]))
-    sums = {k: torch.cat(v) for k, v in parts.items()}
-    losses, stats = preference_loss(chosen_logp=sums["logp"], rejected_logp=sums["rejected_logp"],
-                                    ref_chosen_logp=sums["ref_logp"], ref_rejected_logp=sums["rejected_ref_logp"],
+            mask = masks["rejected_" if "rejected" in key else ""]
+            parts.setdefault(key, []).append(sequence_logp(out[key], mask))
+            parts.setdefault(f"loss_{key}", []).append(sequence_logp(out[key], mask, algo.ipo_logratio))
+    sums = {k: torch.cat(v) for k, v in parts.items()}  # loss_*: as the update's loss reads them (IPO's mean)
+    losses, stats = preference_loss(chosen_logp=sums["loss_logp"], rejected_logp=sums["loss_rejected_logp"],
+                                    ref_chosen_logp=sums["loss_ref_logp"],
+                                    ref_rejected_logp=sums["loss_rejected_ref_logp"],
                                     beta=algo.dpo_beta, kind=algo.dpo_loss)
     metrics = {"val/preference_accuracy": float(stats["rewards/accuracy"].mean()),
                # the policy alone: its likelihood of the chosen response above the rejected one's

@@ -500,6 +500,10 @@ RL_SETTING = "is a setting of RL (rollouts, rewards, advantages, the policy loss
     (["algorithm.dpo_beta=0.5"], "algorithm.dpo_beta=0.5 is not allowed: is a setting of DPO: it needs "
                                  "algorithm.objective=dpo"),
     ([*SFT, "algorithm.dpo_loss=ipo"], "algorithm.dpo_loss='ipo' is not allowed: is a setting of DPO"),
+    (["algorithm.ipo_logratio=mean"], "algorithm.ipo_logratio='mean' is not allowed: is a setting of DPO: it needs "
+                                      "algorithm.objective=dpo"),
+    (["algorithm.objective=dpo", "algorithm.ipo_logratio=mean"], "algorithm.ipo_logratio='mean' is not allowed: is "
+                                                                  "a setting of IPO's loss: it needs algorithm.dpo_loss=ipo"),
     ([*SFT, "ref.micro_batch_size=4"], f"ref.micro_batch_size=4 is not allowed: {RL_SETTING}"),
     (["algorithm.objective=dpo", "rollout.temperature=0.7"], "rollout.temperature=0.7 is not allowed: is a setting "
                                                              "of RL (rollouts, rewards, advantages, the policy loss); "
@@ -536,6 +540,8 @@ def test_sft_refuses_the_settings_of_rl(overrides: list[str], message: str) -> N
     dpo = build_config(_raw(["algorithm.objective=dpo", "algorithm.dpo_loss=ipo", "algorithm.dpo_beta=0.5",
                              "ref.micro_batch_size=4", "data.max_length=64"]))
     assert dpo.needs_ref and dpo.algorithm.dpo_loss == "ipo"  # DPO's reference is RL's, with its settings
+    assert build_config(_raw(["algorithm.objective=dpo", "algorithm.dpo_loss=ipo", "algorithm.ipo_logratio=mean"])
+                        ).algorithm.ipo_logratio == "mean"
     distill = build_config(_raw(["algorithm.objective=distill", "teacher.path=/x", "teacher.micro_batch_size=8",
                                  "rollout.n=1", "rollout.top_k=0", "rollout.top_p=1.0"]))  # no group: each
     # token judged on its own; top-k and top-p at their defaults (off) are accepted

@@ -7,6 +7,11 @@ h_r = logp_r - ref_r of one pair:
 - sigmoid (DPO, Rafailov et al. 2023, arXiv 2305.18290, eq. 7): -log sigmoid(beta * (h_c - h_r));
 - ipo (IPO, Azar et al. 2023, arXiv 2310.12036, eq. 17): (h_c - h_r - 1 / (2 * beta))^2.
 
+A response's log-likelihood is the sum over its tokens (the papers'); `sequence_logp(reduce="mean")` gives
+the mean instead, which makes h a per-token log-ratio: TRL's DPOTrainer does that for IPO
+(trl/trainer/dpo_trainer.py divides the policy's and the reference's log-probs by the response's length
+when loss_type="ipo"), here algorithm.ipo_logratio=mean.
+
 The implicit rewards are beta * h_c and beta * h_r; a pair is ranked right when the chosen one's is higher.
 """
 
@@ -19,6 +24,7 @@ import torch.nn.functional as F
 
 PREFERENCE_LOSSES = ("sigmoid", "ipo")
 PreferenceLoss = Literal["sigmoid", "ipo"]
+LogpReduce = Literal["sum", "mean"]
 
 
 def preference_loss(*, chosen_logp: torch.Tensor, rejected_logp: torch.Tensor, ref_chosen_logp: torch.Tensor,
@@ -38,6 +44,13 @@ def preference_loss(*, chosen_logp: torch.Tensor, rejected_logp: torch.Tensor, r
                     "rewards/accuracy": (chosen > rejected).float()}
 
 
-def sequence_logp(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] token log-probs, [B, T] trained-token mask -> [B] the sum over each row's trained tokens."""
-    return (logp * mask.to(logp.dtype)).sum(dim=-1)
+def sequence_logp(logp: torch.Tensor, mask: torch.Tensor, reduce: LogpReduce = "sum") -> torch.Tensor:
+    """[B, T] token log-probs, [B, T] trained-token mask -> [B] the sum over each row's trained tokens, or
+    with reduce="mean" their mean (0 for a row without one)."""
+    mask = mask.to(logp.dtype)
+    total = (logp * mask).sum(dim=-1)
+    if reduce == "sum":
+        return total
+    if reduce == "mean":
+        return total / mask.sum(dim=-1).clamp(min=1)
+    raise ValueError(f"unknown reduce {reduce!r}; allowed: sum, mean")

@@ -348,13 +348,14 @@ class PolicyWorker(RankWorker):
 
         layout = self.spec.actor.forward_layout
         rejected = rejected_view(micro)
+        reduce = self.spec.ipo_logratio  # a response's log-likelihood: the sum over its tokens, or IPO's mean
         sums = [algos.sequence_logp(algos.logprobs_from_logits(response_logits(self.actor, side, 1.0, layout),
-                                                               side["responses"]), side["response_mask"])
+                                                               side["responses"]), side["response_mask"], reduce)
                 for side in (micro, rejected)]
         losses, stats = algos.preference_loss(
             chosen_logp=sums[0], rejected_logp=sums[1],
-            ref_chosen_logp=algos.sequence_logp(micro["ref_logp"], micro["response_mask"]),
-            ref_rejected_logp=algos.sequence_logp(micro["rejected_ref_logp"], rejected["response_mask"]),
+            ref_chosen_logp=algos.sequence_logp(micro["ref_logp"], micro["response_mask"], reduce),
+            ref_rejected_logp=algos.sequence_logp(micro["rejected_ref_logp"], rejected["response_mask"], reduce),
             beta=self.spec.dpo_beta, kind=self.spec.dpo_loss)
         real = (micro["response_mask"].sum(dim=-1) > 0).to(losses.dtype)  # an empty micro-batch's row counts 0
         pairs = real.sum().clamp(min=1)

@@ -36,6 +36,7 @@ class PolicySpec(BaseModel):
     objective: Literal["rl", "sft", "dpo", "distill"] = "rl"  # algorithm.objective: the update's loss
     dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"  # algorithm.dpo_loss
     dpo_beta: float = 0.1  # algorithm.dpo_beta
+    ipo_logratio: Literal["sum", "mean"] = "sum"  # algorithm.ipo_logratio
     teacher_path: str | None = None  # teacher.path: on-policy distillation's frozen teacher, in every rank
     teacher_micro_batch_size: int = 32  # teacher.micro_batch_size
 

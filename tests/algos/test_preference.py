@@ -59,3 +59,30 @@ def test_an_unknown_loss_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown preference loss 'hinge'; allowed: sigmoid, ipo"):
         preference_loss(chosen_logp=CHOSEN, rejected_logp=REJECTED, ref_chosen_logp=REF_CHOSEN,
                         ref_rejected_logp=REF_REJECTED, beta=BETA, kind="hinge")  # type: ignore[arg-type]
+
+
+def test_sequence_logp_mean_divides_by_the_trained_tokens() -> None:
+    logp = torch.tensor([[-1.0, -2.0, -4.0], [-0.5, -0.25, -8.0], [-3.0, -3.0, -3.0]])
+    mask = torch.tensor([[1, 0, 1], [1, 1, 0], [0, 0, 0]])
+    assert sequence_logp(logp, mask, "mean").tolist() == [-2.5, -0.375, 0.0]  # -5 / 2, -0.75 / 2, no token: 0
+
+
+def test_ipo_on_mean_log_ratios_by_hand() -> None:
+    """algorithm.ipo_logratio=mean (TRL's IPO): each response's log-ratio is the mean over its tokens. Pair 0:
+    chosen tokens (policy - ref) 0.5, -0.1 (mean 0.2), rejected -0.3, -0.2, -0.4 (mean -0.3): margin 0.5,
+    loss (0.5 - 5)^2 = 20.25, where the sums (margin 0.4 - -0.9 = 1.3) give (1.3 - 5)^2 = 13.69."""
+    policy_c, ref_c = torch.tensor([[-1.0, -2.0, 0.0]]), torch.tensor([[-1.5, -1.9, -7.0]])
+    policy_r, ref_r = torch.tensor([[-2.0, -1.0, -3.0]]), torch.tensor([[-1.7, -0.8, -2.6]])
+    mask_c, mask_r = torch.tensor([[1, 1, 0]]), torch.tensor([[1, 1, 1]])
+
+    def ipo(reduce: str) -> float:
+        losses, _ = preference_loss(
+            chosen_logp=sequence_logp(policy_c, mask_c, reduce), rejected_logp=sequence_logp(policy_r, mask_r, reduce),
+            ref_chosen_logp=sequence_logp(ref_c, mask_c, reduce), ref_rejected_logp=sequence_logp(ref_r, mask_r, reduce),
+            beta=BETA, kind="ipo")  # type: ignore[arg-type]
+        return float(losses[0])
+
+    assert ipo("mean") == pytest.approx(20.25)
+    assert ipo("sum") == pytest.approx(13.69)
+    with pytest.raises(ValueError, match="unknown reduce 'max'; allowed: sum, mean"):
+        sequence_logp(policy_c, mask_c, "max")  # type: ignore[arg-type]

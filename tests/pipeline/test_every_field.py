@@ -207,6 +207,7 @@ EFFECTS: dict[str, Run | Refused | AtStart | Shown] = {
     "teacher.path": Refused("/x"),  # RL's; distillation's: tests/ops/test_post_training.py
     "teacher.micro_batch_size": Refused("8"),
     "algorithm.dpo_loss": Refused("ipo"),  # RL's; DPO's: tests/algos/test_preference.py, tests/ops/test_post_training.py
+    "algorithm.ipo_logratio": Refused("mean"),  # RL's; IPO's: tests/algos/test_preference.py, tests/engine/test_pair_loss.py
     "algorithm.dpo_beta": Refused("0.5"),
     "algorithm.objective": Shown("tests/ops/test_post_training.py::test_the_conversations_are_the_samplers_and_the_validation_loss_falls"),
     "algorithm.adv_estimator": Shown("tests/pipeline/test_algorithms.py::test_rloo"),
