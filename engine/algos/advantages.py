@@ -264,5 +264,6 @@ def remax(x: AdvInputs) -> tuple[torch.Tensor, torch.Tensor]:
     if x.baseline is None:
         raise ValueError("remax needs a baseline (the greedy response's reward)")
     # Reverse cumulative sum along T: flip, cumsum, flip back. [B, T] -> [B, T]
-    returns = (x.token_rewards * x.response_mask).flip(-1).cumsum(-1).flip(-1)
+    mask = x.response_mask.to(x.token_rewards.dtype)
+    returns = (x.token_rewards * mask).flip(-1).cumsum(-1).flip(-1) * mask  # 0 on a hole (an observation)
     return returns - _broadcast(x.baseline.to(returns.dtype), x.response_mask), returns

@@ -193,6 +193,13 @@ def test_remax_hand():
     )
     close(returns, [[3.0, 3.0, 3.0], [5.0, 5.0, 0.0]])
     close(adv, [[2.0, 2.0, 2.0], [3.0, 3.0, 0.0]])
+    # a hole (an observation, response_mask 0 between trained tokens): 0 there, the reward still reaches
+    # the tokens before it
+    adv, returns = remax(token_rewards=torch.tensor([[0.0, 0.0, 0.0, 3.0]]),
+                         response_mask=torch.tensor([[1.0, 0.0, 0.0, 1.0]]), group_ids=torch.zeros(1),
+                         baseline=torch.tensor([1.0]))
+    close(returns, [[3.0, 0.0, 0.0, 3.0]])
+    close(adv, [[2.0, 0.0, 0.0, 2.0]])
 
 
 def test_gae_hand():
@@ -323,6 +330,18 @@ def test_rloo_equals_explicit_formula():
         n = sel.sum()
         expected[sel] = n / (n - 1) * (scores[sel] - scores[sel].mean())
     close(adv[:, 0], expected)
+
+
+@pytest.mark.parametrize("name", sorted(ADV_ESTIMATORS))
+def test_holes_get_zero_adv_and_returns(name):
+    """Observation tokens inside a response (multi-turn: response_mask 0 between trained tokens) are
+    neither trained nor credited: adv and returns 0 there, as the module docstring says."""
+    rewards, values, _, ids = random_batch(3, 6, 5, [1, 2])
+    mask = torch.tensor([[1, 0, 0, 1, 1], [1, 1, 0, 1, 0], [0, 1, 0, 1, 1], [1, 0, 1, 0, 1], [1, 1, 1, 1, 1],
+                         [1, 0, 0, 0, 1]], dtype=torch.float64)
+    adv, returns = get_adv_estimator(name)(token_rewards=rewards * mask, values=values, response_mask=mask,
+                                           group_ids=torch.tensor(ids), baseline=torch.arange(6.0, dtype=torch.float64))
+    assert (adv[mask == 0] == 0).all() and (returns[mask == 0] == 0).all(), (adv * (1 - mask), returns * (1 - mask))
 
 
 @pytest.mark.parametrize("name", sorted(ADV_ESTIMATORS))
