@@ -269,7 +269,8 @@ class ActorConfig(OptimConfig):
     clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip constant for negative advantages")
     loss_agg_mode: str = Field(
         "auto", description="token-mean, seq-mean-token-sum, seq-mean-token-mean, or seq-mean-token-sum-norm "
-        "(Dr. GRPO: each response's token sum divided by rollout.max_new_tokens, averaged over responses); the "
+        "(Dr. GRPO's aggregation: each response's token sum divided by rollout.max_new_tokens, averaged over "
+        "responses; Dr. GRPO itself is that with algorithm.norm_adv_by_std=false or adv_estimator=dr_grpo); the "
         "aggregate is over the global mini-batch whatever the micro-batch size and the number of ranks; auto: "
         "seq-mean-token-mean with policy_loss=gspo (the GSPO paper's), token-mean otherwise")
     use_kl_loss: bool = False
@@ -429,7 +430,10 @@ class AlgorithmConfig(Section):
     adv_estimator: str = Field("grpo", description="a name in engine.algos.ADV_ESTIMATORS")
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(1.0, ge=0, le=1)
-    norm_adv_by_std: bool = Field(True, description="GRPO: divide by the group std (False is Dr.GRPO)")
+    norm_adv_by_std: bool = Field(
+        True, description="GRPO: divide each group-centred reward by the group's std; false leaves the division out "
+        "(Dr. GRPO's advantage, as adv_estimator=dr_grpo). Dr. GRPO itself is that advantage with "
+        "actor.loss_agg_mode=seq-mean-token-sum-norm")
     use_kl_in_reward: bool = False
     kl_penalty: str = Field("k1", description="KL estimator for the in-reward penalty")
     kl_ctrl: Literal["fixed", "adaptive"] = "fixed"

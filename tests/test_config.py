@@ -187,6 +187,26 @@ def test_device_auto_resolves_and_what_is_not_built_is_refused(monkeypatch: pyte
         resolve_model_path(ModelConfig(path=str(tmp_path), tiny_seed=3))
 
 
+def test_dr_grpo_is_described_with_both_of_its_changes() -> None:
+    """Dr. GRPO (Liu et al. 2025) changes GRPO twice: no std division of the advantage (sec. 3.1) and each
+    response's loss sum divided by a constant (sec. 3.2). A setting whose description names it names both."""
+    from pydantic import BaseModel
+
+    def descriptions(model: type[BaseModel], prefix: str) -> dict[str, str]:
+        out = {}
+        for name, field in model.model_fields.items():
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                out.update(descriptions(field.annotation, f"{prefix}{name}."))
+            else:
+                out[f"{prefix}{name}"] = field.description or ""
+        return out
+
+    named = {k: d for k, d in descriptions(RLConfig, "").items() if re.search(r"Dr\. ?GRPO", d)}
+    assert {"algorithm.norm_adv_by_std", "actor.loss_agg_mode"} <= set(named)
+    for key, text in named.items():
+        assert "seq-mean-token-sum-norm" in text and ("norm_adv_by_std" in text or "dr_grpo" in text), key
+
+
 def test_the_configuration_reference_is_current() -> None:
     """docs/configuration.md is what `rlflow config docs` prints: the defaults and descriptions stay true."""
     from flows.commands.config import reference

@@ -178,7 +178,8 @@ def grpo(x: AdvInputs) -> tuple[torch.Tensor, torch.Tensor]:
     `compute_grpo_outcome_advantage`): (r - mean_g) / (std_g + eps), std unbiased.
 
     token_rewards, response_mask: [B, T], group_ids: [B] -> (adv, returns) [B, T], equal.
-    `norm_by_std=False` drops the division (Dr. GRPO, Liu et al. 2025).
+    `norm_by_std=False` drops the division: Dr. GRPO's advantage (Liu et al. 2025, sec. 3.1), which is Dr.
+    GRPO only with its loss aggregation too (seq-mean-token-sum-norm, agg.py).
     """
     scores = outcome_scores(x.token_rewards, x.response_mask)  # [B]
     mean, std = group_mean_std(scores, x.group_ids)  # [B], [B]
@@ -189,7 +190,8 @@ def grpo(x: AdvInputs) -> tuple[torch.Tensor, torch.Tensor]:
 
 @register_adv_estimator("dr_grpo", group_based=True)
 def dr_grpo(x: AdvInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dr. GRPO (Liu et al. 2025, arXiv 2503.20783, sec. 3.1): r - mean_g.
+    """Dr. GRPO's advantage (Liu et al. 2025, arXiv 2503.20783, sec. 3.1): r - mean_g. The method also
+    aggregates the loss with seq-mean-token-sum-norm (sec. 3.2, agg.py), a setting of the actor.
 
     GRPO with `norm_by_std` forced False, whatever is passed. Shapes as in `grpo`.
     """
