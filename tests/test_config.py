@@ -168,6 +168,7 @@ def test_old_logprob_pass_only_when_the_update_is_off_policy(overrides: list[str
     assert ("old_logp" in update.reads) is old_logp
 
 
+@pytest.mark.effect_of("trainer.device")
 def test_device_auto_resolves_and_what_is_not_built_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import torch
 
@@ -336,6 +337,7 @@ def test_a_saved_config_builds_again() -> None:
         assert again.config_hash() == cfg.config_hash()
 
 
+@pytest.mark.effect_of("trainer.stage_timeout_s")
 def test_stage_timeouts_default_scales_with_the_batch_and_is_set_per_stage() -> None:
     from flows.plan import check_stage_timeouts
 
@@ -631,6 +633,7 @@ def test_code_references_are_checked_at_load_without_importing(tmp_path: Path) -
         load_config(None, ["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=engine.rollout.builtin_tools:nope"])
     assert not (tmp_path / "imported").exists()
 
+@pytest.mark.effect_of("storage.shared_fs")
 
 def test_local_storage_on_two_nodes() -> None:
     """storage.shared_fs: a local storage.root on a cluster of two nodes is refused before anything is

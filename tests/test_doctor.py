@@ -154,6 +154,7 @@ def test_infra_s3_without_moto_says_which_extra_to_install() -> None:
         "pip install -c constraints-cpu.txt -e '.[s3]'"], proc.stderr
 
 
+@pytest.mark.effect_of("ray.address")
 def test_unreachable_ray_address() -> None:
     """ray.address: an external cluster, probed where `rlflow train` would connect (no local head then)."""
     address = f"127.0.0.1:{_closed_port()}"

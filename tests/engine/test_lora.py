@@ -184,6 +184,7 @@ def test_critic_with_lora_trains_adapters_and_its_value_head(updated: dict, tiny
     assert any("modules_to_save" in k for k in changed)  # the value head trains in full
 
 
+@pytest.mark.effect_of("actor.lora.modules_to_save")
 def test_modules_to_save_train_in_full_next_to_the_adapters(updated: dict, tiny_model_dir: Path,
                                                           tmp_path: Path) -> None:
     """actor.lora.modules_to_save=[lm_head] on a model whose head is tied to its embeddings: the head

@@ -34,6 +34,7 @@ def trained_model(model_dir: Path, weights: dict[str, torch.Tensor], with_lora: 
 
 @pytest.mark.parametrize(("placement", "with_lora"), [("colocated", True), ("split", False)],
                          ids=["colocated-lora", "split-full"])
+@pytest.mark.effect_of("rollout.name")
 def test_after_a_sync_vllm_generates_as_the_trained_model(ray_address: str, tiny_model_dir: Path,
                                                           placement: str, with_lora: bool) -> None:
     spec = make_spec(tiny_model_dir, f"vllm-{placement}", use_ref=False, **({"lora": LORA} if with_lora else {}))

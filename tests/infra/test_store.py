@@ -323,6 +323,7 @@ def test_unsupported_root_is_refused() -> None:
         ObjectStore("gcs://bucket/x")
 
 
+@pytest.mark.effect_of("storage.max_concurrency")
 def test_max_concurrency_from_the_config(tmp_path) -> None:  # noqa: ANN001
     """storage.max_concurrency: the threads that copy a checkpoint's or an export's files at once."""
     def threads(limit: int) -> int:
@@ -342,6 +343,7 @@ def test_max_concurrency_from_the_config(tmp_path) -> None:  # noqa: ANN001
     assert threads(1) == 1 and threads(8) >= 2
 
 
+@pytest.mark.effect_of("storage.retry_attempts", "storage.retry_max_wait_s")
 def test_retries_come_from_the_config(caplog: pytest.LogCaptureFixture) -> None:
     """storage.retry_attempts and storage.retry_max_wait_s: the tries of a transient failure (a refused
     connection) and the cap of each backoff wait, as the store's warnings and its error report them."""

@@ -127,6 +127,7 @@ def test_async_rollouts_use_the_scheduled_versions_and_overlap_updates(reference
         assert spans[(i, "sync_weights")][0] >= spans[(i + 1, "generate_rollouts")][1]
 
 
+@pytest.mark.effect_of("rollout.partial_tokens")
 def test_partial_rollouts_continue_with_the_next_version(partial: dict) -> None:
     from engine.batch import Batch
 
@@ -160,6 +161,7 @@ def test_partial_rollouts_continue_with_the_next_version(partial: dict) -> None:
         assert spans[(i, "sync_weights")][1] <= spans[(i + 1, "continue_rollouts")][0]
 
 
+@pytest.mark.effect_of("debug.fail_stage", "debug.fail_times", "debug.fail_iteration")
 def test_failed_then_killed_async_run_resumes_like_the_uninterrupted_one(cli: Cli, warm_cli: WarmCli,
                                                                         tiny_model_dir: Path, tmp_path: Path,
                                                                         partial: dict) -> None:

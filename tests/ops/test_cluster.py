@@ -179,6 +179,7 @@ def lose(cluster: Cluster, node: Any) -> None:
     node.down()  # its state folder forgets the dead node
 
 
+@pytest.mark.effect_of("trainer.keep_engine", "ray.placement")
 def test_lost_node_mid_update_waits_for_a_replacement(cluster: Cluster, tiny_model_dir: Path, s3_server: Any,
                                                       reference: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Rank 1 stops mid-update of iteration 2 (so the update is surely in flight); then its node is lost.
@@ -214,6 +215,7 @@ def test_lost_node_mid_update_waits_for_a_replacement(cluster: Cluster, tiny_mod
     print(f"lost node: {time.monotonic() - start:.0f} s")
 
 
+@pytest.mark.effect_of("trainer.capacity_timeout_s", "placement.cpus_per_rank")
 def test_no_capacity_in_time_fails_then_resume_goes_on(cluster: Cluster, tiny_model_dir: Path, s3_server: Any,
                                                       reference: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
     """A node is lost mid-update and none comes back within trainer.capacity_timeout_s: the run fails with

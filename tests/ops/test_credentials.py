@@ -154,6 +154,7 @@ def prefect_dump(client: Any) -> dict[str, bytes]:
             for name, items in groups.items()}
 
 
+@pytest.mark.effect_of("trainer.run_id")
 def test_secret_not_in_prefect(trained: Trained, planted_s3: PlantedS3, prefect: Any) -> None:
     """`prefect`: a client of the stack's API (tests/ops/conftest.py)."""
     dump = prefect_dump(prefect)
@@ -168,6 +169,7 @@ def test_secret_not_in_prefect(trained: Trained, planted_s3: PlantedS3, prefect:
     assert leaks(planted_s3.secret, dump) == []  # ...and the secret is nowhere in them
 
 
+@pytest.mark.effect_of("trainer.loggers")
 def test_secret_not_in_persisted_results_or_logger_files(trained: Trained, planted_s3: PlantedS3) -> None:
     results = {str(p): p.read_bytes() for p in files_under(trained.prefect_home)}
     assert any("/storage/" in name for name in results), "no persisted Prefect results to look in"

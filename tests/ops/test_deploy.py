@@ -124,6 +124,7 @@ def _scheduled_then_queued(client: Any, deployment_id: Any, server: Server, time
     return runs
 
 
+@pytest.mark.effect_of("trainer.iterations_per_run")
 def test_continue_lineage_on_schedule(lineage: dict[str, Any], root: Path, warm_cli: WarmCli, tiny_model_dir: Path) -> None:
     first, second = lineage["runs"]
     assert first.auto_scheduled and not second.auto_scheduled  # made by the schedule; by hand meanwhile

@@ -61,6 +61,7 @@ def reference(warm_cli: WarmCli, tiny_model_dir: Path, tmp_path_factory: pytest.
             "logs": proc.stdout + proc.stderr}
 
 
+@pytest.mark.effect_of("algorithm.filter_groups")
 def test_kept_groups_differ_and_the_sampler_follows_on(reference: dict) -> None:
     root, lines = reference["root"], reference["metrics"]
     step = 0
@@ -92,6 +93,7 @@ def test_kept_groups_differ_and_the_sampler_follows_on(reference: dict) -> None:
                                 for m in lines])
 
 
+@pytest.mark.effect_of("debug.kill_flow_after")
 def test_failed_then_killed_dynamic_sampling_run_resumes_like_the_uninterrupted_one(
         cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path, reference: dict) -> None:
     """One run carries both faults: compute_advantages of iteration 2 fails past its retries (the run

@@ -101,6 +101,7 @@ def zombie(cli: Cli, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFact
     return died
 
 
+@pytest.mark.effect_of("debug.kill_iteration", "debug.kill_rank_mid_update", "debug.kill_during_checkpoint")
 def test_engine_rank_killed_mid_update_then_killed_during_checkpoint_upload(
         warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path, reference: dict) -> None:
     """One run carries both faults of iteration 2: rank 1 dies mid-update (the engine restarts, restores
@@ -121,6 +122,7 @@ def test_engine_rank_killed_mid_update_then_killed_during_checkpoint_upload(
     print(f"rank kill + checkpoint-upload kill: {time.monotonic() - start:.0f} s")
 
 
+@pytest.mark.effect_of("trainer.stage_timeouts", "debug.stop_rank_mid_update")
 def test_hung_rank_mid_update_is_restarted(warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path,
                                            reference: dict) -> None:
     """Rank 1 stops itself (SIGSTOP) after its first backward of iteration 2: alive, but hung, and rank

@@ -108,6 +108,7 @@ def test_turns_observations_and_masks(vllm_reference: dict, calc_model_dir: Path
     assert answered > 0, "no call was answered by the calculator: only the error path was checked"
 
 
+@pytest.mark.effect_of("rollout.multi_turn.tools")
 def test_a_broken_tool_gives_error_observations(warm_cli: WarmCli, calc_model_dir: Path, tmp_path: Path) -> None:
     """The tool named calculator raises on every call: the run completes, every call got an error."""
     proc = warm_cli("train", *args(calc_model_dir, tmp_path, "mt-broken", "trainer.total_iterations=1",

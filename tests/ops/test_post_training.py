@@ -77,6 +77,7 @@ def reference(warm_cli: WarmCli, tiny_model_dir: Path, tmp_path_factory: pytest.
     return {"root": root, "weights": weights(root, "sft-ref"), "metrics": metrics(root, "sft-ref")}
 
 
+@pytest.mark.effect_of("algorithm.objective")
 def test_the_conversations_are_the_samplers_and_the_validation_loss_falls(reference: dict, tiny_model_dir: Path,
                                                                          tmp_path: Path) -> None:
     from engine.data.conversations import demonstrations, load_conversations, sft_batch

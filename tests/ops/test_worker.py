@@ -110,6 +110,7 @@ def retry_delays(client: Any, flow_run_id: Any, stage: str) -> list[float]:
     return [(s.state_details.scheduled_time - s.timestamp).total_seconds() for s in sorted(waits, key=lambda s: s.timestamp)]
 
 
+@pytest.mark.effect_of("trainer.stage_retry_delays_s")
 def test_a_worker_executes_a_run_and_its_retry_reuses_finished_stages(
         cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path, prefect: Any, stack_home: Path) -> None:
     from prefect.states import AwaitingRetry

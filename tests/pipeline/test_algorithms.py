@@ -110,6 +110,7 @@ def every_path(warm_cli: WarmCli, tiny_model_dir: Path, root: Path) -> Run:
                  "reward.overlong_penalty_factor=0.5", iterations=2)  # fmt: skip
 
 
+@pytest.mark.effect_of("reward.overlong_buffer_len")
 def test_overlong_shaping_is_in_the_scores(every_path: Run) -> None:
     """DAPO's overlong shaping: the reward buffer's score is the rule's plus the penalty of its length
     (max_new_tokens 8, buffer 3, factor 0.5: -1/6 per token over 5)."""
@@ -146,6 +147,7 @@ def test_kl_loss_entropy_bonus_and_gspo(every_path: Run) -> None:
     assert max(run.series("actor/pg_clipfrac")) > 0  # the second PPO epoch's ratios leave the clip range
 
 
+@pytest.mark.effect_of("algorithm.kl_ctrl", "algorithm.kl_coef", "algorithm.kl_horizon")
 def test_adaptive_kl_in_the_reward_and_remax_baseline(adaptive_kl_remax: Run) -> None:
     """The in-reward KL is positive once the policy moved; the adaptive coefficient follows its
     controller (KL below target: it falls); ReMax's advantage is reward-to-go minus the greedy
@@ -190,6 +192,7 @@ def test_adaptive_kl_killed_and_resumed_has_the_same_kl_coef_series(cli: Cli, wa
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.effect_of("algorithm.adv_estimator")
 def test_rloo(warm_cli: WarmCli, tiny_model_dir: Path, root: Path) -> None:
     """adv = r_i - the mean of the other responses of its prompt."""
     run = train(warm_cli, root, "rloo", tiny_model_dir, "algorithm.adv_estimator=rloo")
@@ -211,6 +214,7 @@ def test_reinforce_plus_plus(warm_cli: WarmCli, tiny_model_dir: Path, root: Path
         assert abs(float(masked_mean(adv["adv"], mask))) < 1e-5
 
 
+@pytest.mark.effect_of("algorithm.extra_stages")
 def test_dr_grpo_with_a_user_stage_as_second_reward(warm_cli: WarmCli, tiny_model_dir: Path, root: Path) -> None:
     """Dr. GRPO: adv = r - the group mean (no std), Dr. GRPO's loss normalizer; the reward r is the rule
     score plus 0.5 x the `brevity` stage declared in tests/pipeline/stages.py (no edit of the flow)."""

@@ -16,9 +16,12 @@ a value other than the default shows:
   change nothing there: the critic's settings without a critic, ...).
 - `AtStart(value)`: `rlflow train` refuses it before anything is written, in one line naming the field
   (a check that needs the model's files).
-- `Shown(test)`: a named test of the suite sets the field and asserts what it changes (faults, clusters,
-  S3, loggers, vLLM, reward models: setups of their own). Checked here: the test exists and sets the
-  field.
+- `Asserted(test)`: a named test of the suite asserts what the field changes, where it acts (a fast
+  test from the config to the code that reads it: tests/pipeline/test_field_effects.py and others), or
+  in a run with a setup of its own (faults, clusters, S3, loggers, vLLM, reward models). The test says
+  so with `@pytest.mark.effect_of("<field>", ...)`; checked here: the test function exists, carries that
+  marker with the field, sets the field (in its body, or the fixtures, helpers and constants it uses)
+  and asserts something. A field's name in a comment or a docstring satisfies none of it.
 """
 
 from __future__ import annotations
@@ -83,16 +86,17 @@ class AtStart(NamedTuple):
     value: str
 
 
-class Shown(NamedTuple):
-    test: str  # a node id: tests/<file>.py::<function>
+class Asserted(NamedTuple):
+    test: str  # a node id: tests/<file>.py::<function>, marked @pytest.mark.effect_of(<the field>, ...)
 
 
 MT = "tests/ops/test_multi_turn.py"
 RM = "tests/pipeline/test_reward_model.py"
 FAULTS = "tests/ops/test_faults.py"
 CLUSTER = "tests/ops/test_cluster.py"
+FE = "tests/pipeline/test_field_effects.py"
 
-EFFECTS: dict[str, Run | Refused | AtStart | Shown] = {
+EFFECTS: dict[str, Run | Refused | AtStart | Asserted] = {
     "model.path": Run("{other_model}"),
     "model.tokenizer_path": Run("{other_tokenizer}"),
     "model.dtype": Run("bfloat16"),
@@ -100,29 +104,29 @@ EFFECTS: dict[str, Run | Refused | AtStart | Shown] = {
     "model.tiny_seed": AtStart("1"),
     "data.train_files": Run("[{train_file}]"),
     "data.val_files": Run("[{val_file}]", "val"),
-    "data.task": Shown("tests/data/test_prompt_data.py::test_load_train_val_from_config"),
-    "data.train_size": Shown("tests/data/test_prompt_data.py::test_load_train_val_from_config"),
+    "data.task": Asserted(f"{FE}::test_the_training_prompts_follow_the_data_settings"),
+    "data.train_size": Asserted(f"{FE}::test_the_training_prompts_follow_the_data_settings"),
     "data.val_size": Run("9", "val"),
     "data.prompt_key": Refused("question"),
     "data.max_length": Refused("64"),  # RL's; SFT's effect: tests/data/test_conversations.py's long conversations
-    "data.max_prompt_length": Shown("tests/data/test_prompt_data.py::test_long_prompts_are_dropped_with_a_count_in_the_log"),
-    "data.truncation": Shown("tests/data/test_prompt_data.py::test_truncation_left_and_right_cut_the_encoded_prompt"),
-    "data.train_batch_size": Shown("tests/pipeline/test_algorithms.py::test_rloo"),
+    "data.max_prompt_length": Asserted(f"{FE}::test_the_training_prompts_follow_the_data_settings"),
+    "data.truncation": Asserted(f"{FE}::test_the_training_prompts_follow_the_data_settings"),
+    "data.train_batch_size": Asserted(f"{FE}::test_a_steps_prompts_follow_the_batch_and_sampler_settings"),
     "data.val_batch_size": Run("3", "val"),
-    "data.shuffle": Shown("tests/data/test_sampler.py::test_no_shuffle_keeps_file_order"),
-    "data.seed": Shown("tests/data/test_sampler.py::test_order_is_the_same_in_another_process"),
-    "rollout.name": Shown("tests/engine/test_vllm_engine.py::test_after_a_sync_vllm_generates_as_the_trained_model"),
-    "rollout.n": Shown("tests/pipeline/test_algorithms.py::test_rloo"),
-    "rollout.temperature": Shown("tests/engine/test_rollout.py::test_draws_follow_the_tempered_distribution"),
-    "rollout.top_p": Shown("tests/engine/test_rollout.py::test_top_k_and_top_p_renormalise_over_the_kept_tokens"),
-    "rollout.top_k": Shown("tests/engine/test_rollout.py::test_top_k_and_top_p_renormalise_over_the_kept_tokens"),
+    "data.shuffle": Asserted(f"{FE}::test_a_steps_prompts_follow_the_batch_and_sampler_settings"),
+    "data.seed": Asserted(f"{FE}::test_a_steps_prompts_follow_the_batch_and_sampler_settings"),
+    "rollout.name": Asserted("tests/engine/test_vllm_engine.py::test_after_a_sync_vllm_generates_as_the_trained_model"),
+    "rollout.n": Asserted(f"{FE}::test_a_steps_prompts_follow_the_batch_and_sampler_settings"),
+    "rollout.temperature": Asserted(f"{FE}::test_the_rollout_samples_with_the_rollout_settings"),
+    "rollout.top_p": Asserted(f"{FE}::test_the_rollout_samples_with_the_rollout_settings"),
+    "rollout.top_k": Asserted(f"{FE}::test_the_rollout_samples_with_the_rollout_settings"),
     "rollout.max_new_tokens": Run("6"),
-    "rollout.partial_tokens": Shown("tests/ops/test_async.py::test_partial_rollouts_continue_with_the_next_version"),
+    "rollout.partial_tokens": Asserted("tests/ops/test_async.py::test_partial_rollouts_continue_with_the_next_version"),
     "rollout.val_do_sample": Run("false", "val"),
     "rollout.micro_batch_size": Run("3"),
     "rollout.weights": Run("copy"),
     "rollout.multi_turn.enable": Refused("true"),
-    "rollout.multi_turn.tools": Shown(f"{MT}::test_a_broken_tool_gives_error_observations"),
+    "rollout.multi_turn.tools": Asserted(f"{MT}::test_a_broken_tool_gives_error_observations"),
     "rollout.multi_turn.format": Refused("llama3_json"),
     "rollout.multi_turn.max_turns": Refused("2"),
     "rollout.multi_turn.tool_timeout_s": Refused("1"),
@@ -160,18 +164,18 @@ EFFECTS: dict[str, Run | Refused | AtStart | Shown] = {
     "actor.lora.alpha": Run("8", "lora"),
     "actor.lora.dropout": Run("0.1", "lora"),
     "actor.lora.target_modules": Run("[q_proj]", "lora"),
-    "actor.lora.modules_to_save": Shown("tests/engine/test_lora.py::test_modules_to_save_train_in_full_next_to_the_adapters"),
-    "actor.policy_loss": Shown("tests/pipeline/test_algorithms.py::test_kl_loss_entropy_bonus_and_gspo"),
-    "actor.clip_low": Shown("tests/pipeline/test_algorithms.py::test_kl_loss_entropy_bonus_and_gspo"),
+    "actor.lora.modules_to_save": Asserted("tests/engine/test_lora.py::test_modules_to_save_train_in_full_next_to_the_adapters"),
+    "actor.policy_loss": Asserted(f"{FE}::test_the_update_gradient_follows_the_loss_settings"),
+    "actor.clip_low": Asserted(f"{FE}::test_the_update_gradient_follows_the_loss_settings"),
     "actor.clip_high": Run("0.001", "epochs"),
     "actor.clip_ratio_c": Run("1.001"),
-    "actor.loss_agg_mode": Shown("tests/engine/test_gradients.py::test_actor_gradient_equals_one_process"),
+    "actor.loss_agg_mode": Asserted(f"{FE}::test_the_update_gradient_follows_the_loss_settings"),
     "actor.use_kl_loss": Run("true"),
-    "actor.kl_loss_coef": Shown("tests/pipeline/test_algorithms.py::test_kl_loss_entropy_bonus_and_gspo"),
+    "actor.kl_loss_coef": Asserted(f"{FE}::test_the_update_gradient_follows_the_loss_settings"),
     "actor.kl_loss_type": Run("k1", "klloss"),
-    "actor.entropy_coeff": Shown("tests/pipeline/test_algorithms.py::test_kl_loss_entropy_bonus_and_gspo"),
+    "actor.entropy_coeff": Asserted(f"{FE}::test_the_update_gradient_follows_the_loss_settings"),
     "actor.share_prompts": Run("false"),
-    "actor.rollout_correction.mode": Shown("tests/pipeline/test_algorithms.py::test_rollout_correction_reaches_the_update"),
+    "actor.rollout_correction.mode": Asserted(f"{FE}::test_the_update_gradient_follows_the_loss_settings"),
     "actor.rollout_correction.level": Refused("sequence"),
     "actor.rollout_correction.upper": Refused("1.5"),
     "actor.rollout_correction.lower": Refused("0.9"),
@@ -209,25 +213,25 @@ EFFECTS: dict[str, Run | Refused | AtStart | Shown] = {
     "algorithm.dpo_loss": Refused("ipo"),  # RL's; DPO's: tests/algos/test_preference.py, tests/ops/test_post_training.py
     "algorithm.ipo_logratio": Refused("mean"),  # RL's; IPO's: tests/algos/test_preference.py, tests/engine/test_pair_loss.py
     "algorithm.dpo_beta": Refused("0.5"),
-    "algorithm.objective": Shown("tests/ops/test_post_training.py::test_the_conversations_are_the_samplers_and_the_validation_loss_falls"),
-    "algorithm.adv_estimator": Shown("tests/pipeline/test_algorithms.py::test_rloo"),
+    "algorithm.objective": Asserted("tests/ops/test_post_training.py::test_the_conversations_are_the_samplers_and_the_validation_loss_falls"),
+    "algorithm.adv_estimator": Asserted("tests/pipeline/test_algorithms.py::test_rloo"),
     "algorithm.gamma": Refused("0.5"),
     "algorithm.lam": Refused("0.5"),
     "algorithm.norm_adv_by_std": Run("false"),
     "algorithm.use_kl_in_reward": Run("true"),
     "algorithm.kl_penalty": Run("k3", "kl"),
-    "algorithm.kl_ctrl": Shown("tests/pipeline/test_algorithms.py::test_adaptive_kl_in_the_reward_and_remax_baseline"),
-    "algorithm.kl_coef": Shown("tests/pipeline/test_algorithms.py::test_adaptive_kl_in_the_reward_and_remax_baseline"),
+    "algorithm.kl_ctrl": Asserted("tests/pipeline/test_algorithms.py::test_adaptive_kl_in_the_reward_and_remax_baseline"),
+    "algorithm.kl_coef": Asserted("tests/pipeline/test_algorithms.py::test_adaptive_kl_in_the_reward_and_remax_baseline"),
     "algorithm.kl_target": Run("100", "adaptive"),
-    "algorithm.kl_horizon": Shown("tests/pipeline/test_algorithms.py::test_adaptive_kl_in_the_reward_and_remax_baseline"),
-    "algorithm.filter_groups": Shown("tests/ops/test_dynamic_sampling.py::test_kept_groups_differ_and_the_sampler_follows_on"),
+    "algorithm.kl_horizon": Asserted("tests/pipeline/test_algorithms.py::test_adaptive_kl_in_the_reward_and_remax_baseline"),
+    "algorithm.filter_groups": Asserted("tests/ops/test_dynamic_sampling.py::test_kept_groups_differ_and_the_sampler_follows_on"),
     "algorithm.max_num_gen_batches": Refused("2"),
     "algorithm.cost_limit": Refused("0.5"),
     "algorithm.lagrange_init": Refused("2.0"),
     "algorithm.lagrange_lr": Refused("0.5"),
     "algorithm.lagrange_max": Refused("3.0"),
-    "algorithm.extra_stages": Shown("tests/pipeline/test_algorithms.py::test_dr_grpo_with_a_user_stage_as_second_reward"),
-    "reward.model.path": Shown(f"{RM}::test_rewards_of_a_reward_model_pool"),
+    "algorithm.extra_stages": Asserted("tests/pipeline/test_algorithms.py::test_dr_grpo_with_a_user_stage_as_second_reward"),
+    "reward.model.path": Asserted(f"{RM}::test_rewards_of_a_reward_model_pool"),
     "reward.model.tokenizer_path": Refused("{other_tokenizer}"),
     "reward.model.dtype": Refused("bfloat16"),
     "reward.model.trust_remote_code": Refused("true"),
@@ -237,65 +241,65 @@ EFFECTS: dict[str, Run | Refused | AtStart | Shown] = {
     "reward.model.placement": Refused("colocated"),
     "reward.model.ranks": Refused("2"),
     "reward.rule_weight": Refused("0.5"),
-    "reward.function": Shown("tests/rewards/test_reward_registry.py::test_custom_reward_from_a_file_path"),
+    "reward.function": Asserted("tests/rewards/test_reward_registry.py::test_custom_reward_from_a_file_path"),
     "reward.cost_function": Refused("{cost}"),
     "reward.chunk_size": Run("3"),
-    "reward.sandbox.isolation": Shown("tests/rewards/test_sandbox_escapes.py::test_the_isolation_setting_reaches_the_sandbox"),
-    "reward.sandbox_timeout_s": Shown("tests/rewards/test_sandbox.py::test_limits_come_from_the_reward_config"),
-    "reward.sandbox_memory_mb": Shown("tests/rewards/test_sandbox.py::test_limits_come_from_the_reward_config"),
-    "reward.overlong_buffer_len": Shown("tests/pipeline/test_algorithms.py::test_overlong_shaping_is_in_the_scores"),
+    "reward.sandbox.isolation": Asserted(f"{FE}::test_sandboxed_code_runs_under_the_reward_settings"),
+    "reward.sandbox_timeout_s": Asserted(f"{FE}::test_sandboxed_code_runs_under_the_reward_settings"),
+    "reward.sandbox_memory_mb": Asserted(f"{FE}::test_sandboxed_code_runs_under_the_reward_settings"),
+    "reward.overlong_buffer_len": Asserted("tests/pipeline/test_algorithms.py::test_overlong_shaping_is_in_the_scores"),
     "reward.overlong_penalty_factor": Refused("0.5"),
     "trainer.project": Refused("other"),
-    "trainer.run_id": Shown("tests/ops/test_credentials.py::test_secret_not_in_prefect"),
+    "trainer.run_id": Asserted("tests/ops/test_credentials.py::test_secret_not_in_prefect"),
     "trainer.total_iterations": Run("2"),
-    "trainer.iterations_per_run": Shown("tests/ops/test_deploy.py::test_continue_lineage_on_schedule"),
-    "trainer.save_every": Shown("tests/pipeline/test_train.py::test_grpo_three_iterations_on_s3"),
-    "trainer.val_every": Shown("tests/pipeline/test_train.py::test_grpo_three_iterations_on_s3"),
-    "trainer.world_size": Shown("tests/ops/test_async.py::test_async_rollouts_use_the_scheduled_versions_and_overlap_updates"),
+    "trainer.iterations_per_run": Asserted("tests/ops/test_deploy.py::test_continue_lineage_on_schedule"),
+    "trainer.save_every": Asserted("tests/pipeline/test_train.py::test_grpo_three_iterations_on_s3"),
+    "trainer.val_every": Asserted("tests/pipeline/test_train.py::test_grpo_three_iterations_on_s3"),
+    "trainer.world_size": Asserted(f"{FE}::test_the_engines_pools_follow_the_placement_settings"),
     "trainer.max_staleness": Refused("1"),
-    "trainer.device": Shown("tests/test_config.py::test_device_auto_resolves_and_what_is_not_built_is_refused"),
+    "trainer.device": Asserted("tests/test_config.py::test_device_auto_resolves_and_what_is_not_built_is_refused"),
     "trainer.seed": Run("1"),
     "trainer.export_at_end": Run("true"),
     "trainer.export_merged": Refused("true"),
-    "trainer.keep_engine": Shown(f"{CLUSTER}::test_lost_node_mid_update_waits_for_a_replacement"),
+    "trainer.keep_engine": Asserted(f"{CLUSTER}::test_lost_node_mid_update_waits_for_a_replacement"),
     "trainer.max_engine_restarts": Run("0", "killed", fails=True),
-    "trainer.stage_timeout_s": Shown("tests/test_config.py::test_stage_timeouts_default_scales_with_the_batch_and_is_set_per_stage"),
-    "trainer.stage_retry_delays_s": Shown("tests/ops/test_worker.py::test_a_worker_executes_a_run_and_its_retry_reuses_finished_stages"),
-    "trainer.stage_timeouts": Shown(f"{FAULTS}::test_hung_rank_mid_update_is_restarted"),
-    "trainer.capacity_timeout_s": Shown(f"{CLUSTER}::test_no_capacity_in_time_fails_then_resume_goes_on"),
-    "trainer.loggers": Shown("tests/ops/test_credentials.py::test_secret_not_in_persisted_results_or_logger_files"),
+    "trainer.stage_timeout_s": Asserted("tests/test_config.py::test_stage_timeouts_default_scales_with_the_batch_and_is_set_per_stage"),
+    "trainer.stage_retry_delays_s": Asserted("tests/ops/test_worker.py::test_a_worker_executes_a_run_and_its_retry_reuses_finished_stages"),
+    "trainer.stage_timeouts": Asserted(f"{FAULTS}::test_hung_rank_mid_update_is_restarted"),
+    "trainer.capacity_timeout_s": Asserted(f"{CLUSTER}::test_no_capacity_in_time_fails_then_resume_goes_on"),
+    "trainer.loggers": Asserted("tests/ops/test_credentials.py::test_secret_not_in_persisted_results_or_logger_files"),
     "trainer.log_dir": Refused("{root}/logs"),
-    "storage.root": Shown("tests/pipeline/test_train.py::test_grpo_three_iterations_on_s3"),
+    "storage.root": Asserted("tests/pipeline/test_train.py::test_grpo_three_iterations_on_s3"),
     "storage.endpoint_url": Refused("http://127.0.0.1:9"),
     "storage.region": Refused("eu-west-3"),
     "storage.access_key_id": Refused("AKIAEXAMPLE"),
     "storage.secret_access_key": Refused("hunter2"),
-    "storage.shared_fs": Shown("tests/test_config.py::test_local_storage_on_two_nodes"),
+    "storage.shared_fs": Asserted("tests/test_config.py::test_local_storage_on_two_nodes"),
     "storage.keep_last": Run("1", "two"),
     "storage.keep_every": Run("1", "keep"),
     "storage.lease_ttl_s": Run("120"),
-    "storage.retry_attempts": Shown("tests/infra/test_store.py::test_retries_come_from_the_config"),
-    "storage.retry_max_wait_s": Shown("tests/infra/test_store.py::test_retries_come_from_the_config"),
+    "storage.retry_attempts": Asserted("tests/infra/test_store.py::test_retries_come_from_the_config"),
+    "storage.retry_max_wait_s": Asserted("tests/infra/test_store.py::test_retries_come_from_the_config"),
     "storage.connect_timeout_s": Refused("1"),
     "storage.read_timeout_s": Refused("1"),
-    "storage.max_concurrency": Shown("tests/infra/test_store.py::test_max_concurrency_from_the_config"),
-    "placement.mode": Shown("tests/ops/test_async.py::test_async_rollouts_use_the_scheduled_versions_and_overlap_updates"),
+    "storage.max_concurrency": Asserted("tests/infra/test_store.py::test_max_concurrency_from_the_config"),
+    "placement.mode": Asserted(f"{FE}::test_the_engines_pools_follow_the_placement_settings"),
     "placement.rollout_ranks": Refused("2"),
     "placement.sync_bucket_mb": Refused("0.25"),
-    "placement.cpus_per_rank": Shown(f"{CLUSTER}::test_no_capacity_in_time_fails_then_resume_goes_on"),
-    "placement.cpu_kernels": Shown("tests/models/test_model_loading.py::test_cpu_kernels_modes"),
-    "ray.address": Shown("tests/test_doctor.py::test_unreachable_ray_address"),
-    "ray.namespace": Shown("tests/pipeline/test_every_field.py::test_an_engine_kept_in_its_namespace"),
+    "placement.cpus_per_rank": Asserted(f"{FE}::test_the_engines_pools_follow_the_placement_settings"),
+    "placement.cpu_kernels": Asserted(f"{FE}::test_the_ranks_environment_follows_the_cpu_kernels"),
+    "ray.address": Asserted("tests/test_doctor.py::test_unreachable_ray_address"),
+    "ray.namespace": Asserted("tests/pipeline/test_every_field.py::test_an_engine_kept_in_its_namespace"),
     "ray.max_concurrent_stages": AtStart("1"),
-    "ray.placement": Shown(f"{CLUSTER}::test_lost_node_mid_update_waits_for_a_replacement"),
-    "debug.fail_stage": Shown("tests/ops/test_async.py::test_failed_then_killed_async_run_resumes_like_the_uninterrupted_one"),
-    "debug.fail_times": Shown("tests/ops/test_async.py::test_failed_then_killed_async_run_resumes_like_the_uninterrupted_one"),
-    "debug.fail_iteration": Shown("tests/ops/test_async.py::test_failed_then_killed_async_run_resumes_like_the_uninterrupted_one"),
-    "debug.kill_flow_after": Shown("tests/ops/test_dynamic_sampling.py::test_failed_then_killed_dynamic_sampling_run_resumes_like_the_uninterrupted_one"),
-    "debug.kill_iteration": Shown(f"{FAULTS}::test_engine_rank_killed_mid_update_then_killed_during_checkpoint_upload"),
-    "debug.kill_rank_mid_update": Shown(f"{FAULTS}::test_engine_rank_killed_mid_update_then_killed_during_checkpoint_upload"),
-    "debug.stop_rank_mid_update": Shown(f"{FAULTS}::test_hung_rank_mid_update_is_restarted"),
-    "debug.kill_during_checkpoint": Shown(f"{FAULTS}::test_engine_rank_killed_mid_update_then_killed_during_checkpoint_upload"),
+    "ray.placement": Asserted(f"{CLUSTER}::test_lost_node_mid_update_waits_for_a_replacement"),
+    "debug.fail_stage": Asserted("tests/ops/test_async.py::test_failed_then_killed_async_run_resumes_like_the_uninterrupted_one"),
+    "debug.fail_times": Asserted("tests/ops/test_async.py::test_failed_then_killed_async_run_resumes_like_the_uninterrupted_one"),
+    "debug.fail_iteration": Asserted("tests/ops/test_async.py::test_failed_then_killed_async_run_resumes_like_the_uninterrupted_one"),
+    "debug.kill_flow_after": Asserted("tests/ops/test_dynamic_sampling.py::test_failed_then_killed_dynamic_sampling_run_resumes_like_the_uninterrupted_one"),
+    "debug.kill_iteration": Asserted(f"{FAULTS}::test_engine_rank_killed_mid_update_then_killed_during_checkpoint_upload"),
+    "debug.kill_rank_mid_update": Asserted(f"{FAULTS}::test_engine_rank_killed_mid_update_then_killed_during_checkpoint_upload"),
+    "debug.stop_rank_mid_update": Asserted(f"{FAULTS}::test_hung_rank_mid_update_is_restarted"),
+    "debug.kill_during_checkpoint": Asserted(f"{FAULTS}::test_engine_rank_killed_mid_update_then_killed_during_checkpoint_upload"),
 }
 
 
@@ -337,21 +341,119 @@ def test_refused(field: str) -> None:
     assert message.startswith(f"{field}=") and "\n" not in message, message
 
 
-# -- shown by a named test ----------------------------------------------------------------------------
+# -- asserted by a marked test -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("field", [f for f, e in EFFECTS.items() if isinstance(e, Shown)])
-def test_shown_by_a_named_test(field: str) -> None:
-    """The named test exists, and it (or the module constants it uses) sets the field."""
-    entry = EFFECTS[field]
-    assert isinstance(entry, Shown)
-    path, _, name = entry.test.partition("::")
-    source = (TESTS.parent / path).read_text()
-    functions = {node.name: ast.get_source_segment(source, node) for node in ast.walk(ast.parse(source))
-                 if isinstance(node, ast.FunctionDef)}
-    assert name in functions, f"{field}: {path} has no test {name}"
+def _definitions(path: Path) -> dict[str, ast.AST]:
+    """The module-level functions, classes and assignments of the test file `path` and of the conftest.py
+    files above it up to tests/: where its fixtures, helpers and constants live."""
+    folders = [f for f in (path.parent, *path.parent.parents) if f == TESTS or TESTS in f.parents]
+    out: dict[str, ast.AST] = {}
+    for file in [*(f / "conftest.py" for f in reversed(folders)), path]:
+        if not file.exists():
+            continue
+        for node in ast.parse(file.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out[node.name] = node
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    out.update({n.id: node for n in ast.walk(target) if isinstance(n, ast.Name)})
+    return out
+
+
+def _reached(test: ast.FunctionDef, definitions: dict[str, ast.AST]) -> list[ast.AST]:
+    """The test and, transitively, the definitions it names: the fixtures it takes, the helpers it calls,
+    the constants it reads."""
+    seen, todo, out = {test.name}, [test], []
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} | \
+            {a.arg for a in ast.walk(node) if isinstance(a, ast.arg)}
+        for name in sorted(names - seen):
+            if name in definitions:
+                seen.add(name)
+                todo.append(definitions[name])
+    return out
+
+
+def _sets(field: str, nodes: list[ast.AST]) -> bool:
+    """Whether code (not a docstring or a comment) sets the field: an override `field=...` in a string, a
+    keyword argument or a dict key named as the field's last part (a config section built in Python)."""
     leaf = field.rsplit(".", 1)[1]
-    assert f"{field}=" in source or re.search(rf"\b{leaf}\b", functions[name] or "") or \
-        re.search(rf"[\"']{leaf}[\"']: ", source), f"{field}: {path}::{name} does not set it"
+    for node in nodes:
+        docstrings = {id(n.value) for n in ast.walk(node) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+        for n in ast.walk(node):
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings \
+                    and f"{field}=" in n.value:
+                return True
+            if isinstance(n, ast.keyword) and n.arg == leaf:
+                return True
+            if isinstance(n, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == leaf for k in n.keys):
+                return True
+    return False
+
+
+def effect_markers(test: ast.FunctionDef) -> set[str]:
+    """The fields a test's `@pytest.mark.effect_of(...)` decorators name."""
+    return {arg.value for dec in test.decorator_list if isinstance(dec, ast.Call)
+            and ast.unparse(dec.func) == "pytest.mark.effect_of" for arg in dec.args
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str)}
+
+
+def _asserts(test: ast.FunctionDef, definitions: dict[str, ast.AST]) -> bool:
+    """In the test's own body: an assert statement, pytest.raises, an assert_... helper, or a call of a
+    helper of its module that holds an assert statement (`close(got, want)`)."""
+    for n in ast.walk(test):
+        if isinstance(n, ast.Assert):
+            return True
+        if isinstance(n, ast.Call) and re.search(r"(^|\.)(assert_\w*|raises)$", ast.unparse(n.func)):
+            return True
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and isinstance(
+                helper := definitions.get(n.func.id), ast.FunctionDef) and any(
+                isinstance(m, ast.Assert) for m in ast.walk(helper)):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("field", [f for f, e in EFFECTS.items() if isinstance(e, Asserted)])
+def test_asserted_by_a_marked_test(field: str) -> None:
+    """The named test exists, says with its effect_of marker that it asserts what the field changes,
+    sets the field, and asserts."""
+    entry = EFFECTS[field]
+    assert isinstance(entry, Asserted)
+    path, _, name = entry.test.partition("::")
+    module = TESTS.parent / path
+    tests = {node.name: node for node in ast.walk(ast.parse(module.read_text()))
+             if isinstance(node, ast.FunctionDef) and node.name.startswith("test")}
+    assert name in tests, f"{field}: {path} has no test {name}"
+    test = tests[name]
+    definitions = _definitions(module)
+    assert field in effect_markers(test), f"{field}: {entry.test} is not marked @pytest.mark.effect_of({field!r})"
+    assert _sets(field, _reached(test, definitions)), f"{field}: {entry.test} does not set it"
+    assert _asserts(test, definitions), f"{field}: {entry.test} asserts nothing"
+
+
+def test_the_checks_of_asserted_cannot_be_met_by_text() -> None:
+    """A test that names a field in its docstring, a comment and an unrelated string, without the
+    marker, fails every check above; the same test marked, setting it and asserting, passes them."""
+    source = '''
+import pytest
+LIST = ["rollout.top_k"]
+def test_mentions() -> None:
+    """rollout.top_k=3 changes the draws."""
+    print("rollout.top_k", LIST)  # rollout.top_k=3
+@pytest.mark.effect_of("rollout.top_k")
+def test_sets_and_asserts() -> None:
+    assert run(SETTINGS).draws
+SETTINGS = ["rollout.top_k=3"]
+'''
+    tests = {n.name: n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)}
+    definitions = {n.targets[0].id: n for n in ast.parse(source).body if isinstance(n, ast.Assign)}
+    mentions, marked = tests["test_mentions"], tests["test_sets_and_asserts"]
+    assert not effect_markers(mentions) and not _asserts(mentions, definitions)
+    assert not _sets("rollout.top_k", _reached(mentions, definitions))
+    assert effect_markers(marked) == {"rollout.top_k"} and _asserts(marked, definitions)
+    assert _sets("rollout.top_k", _reached(marked, definitions))
 
 
 # -- runs ---------------------------------------------------------------------------------------------
@@ -494,6 +596,7 @@ def test_refused_at_start(field: str, runs: Runs) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.effect_of("ray.namespace")
 def test_an_engine_kept_in_its_namespace(runs: Runs, cli: object) -> None:
     """ray.namespace: the run's engine actors live there (trainer.keep_engine leaves them after the run);
     `rlflow engine list` shows every namespace, and `rlflow engine stop RUN` finds the run in its own."""

@@ -111,6 +111,7 @@ def pooled(warm_cli: WarmCli, tiny_model_dir: Path, tiny_rm_dir: Path,
 
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.effect_of("reward.model.path")
 def test_rewards_of_a_reward_model_pool(pooled: Run, tiny_rm_dir: Path) -> None:
     assert_scored_by_the_model(pooled, tiny_rm_dir)
 

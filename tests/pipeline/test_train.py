@@ -20,6 +20,7 @@ def common(model: Path, root: str, run_id: str, *extra: str) -> list[str]:
             "data.train_batch_size=8", "actor.mini_batch_size=32", "actor.micro_batch_size=32", "data.val_size=16", "rollout.max_new_tokens=8", *extra]
 
 
+@pytest.mark.effect_of("trainer.save_every", "trainer.val_every", "storage.root")
 def test_grpo_three_iterations_on_s3(cli: Cli, tiny_model_dir: Path, s3_server, stack_home: Path) -> None:
     env = {**cli.env, **s3_server.env}
     root = f"s3://{s3_server.bucket}/pipeline"

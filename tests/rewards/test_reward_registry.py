@@ -93,6 +93,7 @@ def test_an_unknown_data_source_lists_the_registered_ones() -> None:
     assert "reward.function" in message
 
 
+@pytest.mark.effect_of("reward.function")
 def test_custom_reward_from_a_file_path(custom_file: Path) -> None:
     cfg = RewardConfig(function=f"{custom_file}:compute_score")
     batch = score_batch(["anything/at-all", "x"], ["abc", "no"], ["abc", "yes"], [{"i": 0}, None], cfg=cfg)
