@@ -13,13 +13,12 @@ directly with pandas / pyarrow.
 
 from __future__ import annotations
 
-import json
-
 from pydantic import BaseModel, ConfigDict
 
 from engine.batch import Batch
 from infra import layout
 from infra.errors import IntegrityError, ObjectNotFound
+from infra.records import Count, Sha256, parse_record
 from infra.store import ObjectStore
 
 
@@ -29,8 +28,8 @@ class BufferRef(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     uri: str
-    sha256: str
-    rows: int
+    sha256: Sha256
+    rows: Count
     columns: tuple[str, ...]
 
 
@@ -71,7 +70,8 @@ def load_ref(store: ObjectStore, run_id: str, iteration: int, name: str) -> Buff
         data = store.get_bytes(_ref_key(buffer_key(run_id, iteration, name)))
     except ObjectNotFound:
         return None
-    ref = BufferRef.model_validate(json.loads(data))
+    url = store.url(_ref_key(buffer_key(run_id, iteration, name)))
+    ref = parse_record(BufferRef, data, url, "buffer reference")  # total: CorruptRecordError naming it
     return ref.model_copy(update={"uri": store.url(buffer_key(run_id, iteration, name))})
 
 

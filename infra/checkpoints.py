@@ -39,12 +39,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from infra import layout
-from infra.errors import IntegrityError, ObjectNotFound, StoreError
+from infra.errors import CorruptRecordError, IntegrityError, ObjectNotFound, StoreError
+from infra.records import Count, Sha256, TrainerStateRecord, parse_record
 from infra.store import ObjectInfo, ObjectStore, sha256_file
 
 log = logging.getLogger("rlflow.storage")
@@ -62,17 +63,35 @@ class FileEntry(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     path: str  # relative to the step folder, POSIX
-    size: int
-    sha256: str
+    size: Count
+    sha256: Sha256
+
+    @field_validator("path")
+    @classmethod
+    def _inside_the_step(cls, path: str) -> str:
+        # `fetch` writes each file under the local folder by this path: no way out of it.
+        parts = path.split("/")
+        if not path or len(path) > 1024 or path.startswith("/") or any(p in ("", ".", "..") for p in parts) \
+                or "\\" in path or any(ord(c) < 32 for c in path):
+            raise ValueError(f"{path[:80]!r} is not a relative path inside the step folder")
+        return path
 
 
 class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    format: int = 1
-    step: int
-    created: str
-    total_bytes: int
+    format: Literal[1] = 1
+    step: Count
+    created: Annotated[str, Field(max_length=64)]
+    total_bytes: Count
+    files: Annotated[list[FileEntry], Field(min_length=1)]  # commit refuses a step with no files
+
+
+class _HashRecords(BaseModel):
+    """A `.sha256/<random>.json` record of a hashing writer (`_record`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
     files: list[FileEntry]
 
 
@@ -172,10 +191,24 @@ class CheckpointStore:
         self.write_bytes(step, layout.TRAINER_JSON, json.dumps(state, indent=1, sort_keys=True).encode())
 
     def read_trainer_state(self, step: int) -> dict[str, Any] | None:
+        """trainer.json of committed `step`, checked against the step's manifest (size and sha256) and
+        parsed totally (infra.records.TrainerStateRecord); None when the step has none. IntegrityError
+        (CorruptRecordError when it verifies but does not parse) naming it otherwise."""
+        entry = next((f for f in self.read_manifest(step).files if f.path == layout.TRAINER_JSON), None)
+        url = self.step_url(step, layout.TRAINER_JSON)
         try:
-            return dict(json.loads(self.store.get_bytes(self.step_key(step, layout.TRAINER_JSON))))
+            data = self.store.get_bytes(self.step_key(step, layout.TRAINER_JSON))
         except ObjectNotFound:
+            if entry is not None:
+                raise IntegrityError(f"{url} is missing (listed in the manifest)") from None
             return None
+        if entry is None:
+            raise IntegrityError(f"{url} is not in the checkpoint's manifest")
+        self._check(step, entry, len(data), hashlib.sha256(data).hexdigest())
+        state = parse_record(TrainerStateRecord, data, url, "trainer state")
+        if state.iteration != step:
+            raise CorruptRecordError(f"{url} is not a valid trainer state: iteration {state.iteration} in step {step}")
+        return state.model_dump(exclude_unset=True)
 
     def _record(self, step: int, entries: list[FileEntry]) -> None:
         """Leave the hashes of files just written for `commit`: one small object per writer call,
@@ -207,9 +240,14 @@ class CheckpointStore:
         for e in written or []:
             if e.get("sha256"):
                 known.setdefault(e["path"], set()).add((int(e["size"]), e["sha256"]))
-        for data in self.store.map_parallel(self.store.get_bytes, records):
-            for e in json.loads(data)["files"]:
-                known.setdefault(e["path"], set()).add((int(e["size"]), e["sha256"]))
+        for key, data in zip(records, self.store.map_parallel(self.store.get_bytes, records)):
+            try:
+                hashed = parse_record(_HashRecords, data, self.store.url(key), "hash record").files
+            except CorruptRecordError as err:  # its files are hashed again from storage below
+                log.warning("%s: ignored", err)
+                continue
+            for f in hashed:
+                known.setdefault(f.path, set()).add((f.size, f.sha256))
         entries = self.store.map_parallel(lambda o: self._entry(o, prefix, known), files)
         manifest = Manifest(step=step, created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                             total_bytes=sum(e.size for e in entries), files=entries)
@@ -266,21 +304,32 @@ class CheckpointStore:
 
     def latest_pointer(self) -> int | None:
         """The step named in checkpoints/LATEST."""
+        key = f"{self._dir_key()}/{layout.LATEST}"
         try:
-            text = self.store.get_bytes(f"{self._dir_key()}/{layout.LATEST}").decode().strip()
+            data = self.store.get_bytes(key)
         except ObjectNotFound:
             return None
-        return layout.parse_step_dir(text)
+        step = layout.parse_step_dir(data.decode("utf-8", errors="replace").strip()) if len(data) <= 64 else None
+        if step is None:  # only a hint (the MANIFESTs decide what is committed): say so and go without it
+            log.warning("%s does not name a step (%r): ignored", self.store.url(key), data[:64])
+        return step
 
     def read_manifest(self, step: int) -> Manifest:
         try:
             data = self.store.get_bytes(self.step_key(step, layout.MANIFEST))
         except ObjectNotFound:
             raise ObjectNotFound(f"checkpoint {self.step_url(step)} is not committed (no {layout.MANIFEST})") from None
-        try:
-            return Manifest.model_validate_json(data)
-        except ValueError as err:
-            raise IntegrityError(f"{self.step_url(step, layout.MANIFEST)} is unreadable: {err}") from None
+        url = self.step_url(step, layout.MANIFEST)
+        manifest = parse_record(Manifest, data, url, "manifest")  # total: CorruptRecordError (an IntegrityError)
+        paths = [f.path for f in manifest.files]
+        if manifest.step != step:
+            raise CorruptRecordError(f"{url} is not a valid manifest: it says step {manifest.step}")
+        if len(set(paths)) != len(paths) or layout.MANIFEST in paths:
+            raise CorruptRecordError(f"{url} is not a valid manifest: a path listed twice, or the manifest itself")
+        if manifest.total_bytes != sum(f.size for f in manifest.files):
+            raise CorruptRecordError(f"{url} is not a valid manifest: total_bytes {manifest.total_bytes} is not "
+                                     "the sum of its files' sizes")
+        return manifest
 
     def verify(self, step: int) -> Manifest:
         """Check every file of `step` against its manifest, in place. `IntegrityError` names the

@@ -23,3 +23,9 @@ class ObjectNotFound(StoreError, FileNotFoundError):
 
 class StoreUnavailable(StoreError):
     """A transient failure (connection, timeout, 5xx, throttling) outlasted every retry."""
+
+
+class CorruptRecordError(IntegrityError):
+    """A stored record (run.json, lock.json, a buffer's ref, metrics, trainer.json, MANIFEST.json, LATEST)
+    is not what rlflow writes: not UTF-8, not JSON, a wrong type, a number out of range. The message names
+    the object's URL and what is wrong (infra.records)."""

@@ -42,7 +42,8 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from infra import layout
-from infra.errors import LeaseError, ObjectNotFound, StoreError
+from infra.errors import CorruptRecordError, LeaseError, ObjectNotFound, StoreError
+from infra.records import LeaseRecord, RunInfoRecord, check_record, parse_metrics, parse_record
 from infra.store import ObjectInfo, ObjectStore
 
 if TYPE_CHECKING:
@@ -236,13 +237,11 @@ def _dump(record: dict[str, Any]) -> bytes:
 
 
 def _parse_lease(data: bytes, url: str) -> dict[str, Any]:
+    """lock.json, parsed totally (infra.records.LeaseRecord)."""
     try:
-        record = json.loads(data)
-        if not isinstance(record, dict):
-            raise ValueError("not an object")
-        return record
-    except ValueError as err:
-        raise LeaseError(f"the lease {url} is unreadable ({err}); if no writer is running, delete it") from None
+        return parse_record(LeaseRecord, data, url, "lease").model_dump()
+    except CorruptRecordError as err:
+        raise CorruptRecordError(f"{err}; if no writer is running, delete it") from None
 
 
 def describe_holder(record: dict[str, Any]) -> str:
@@ -319,7 +318,9 @@ class RunStore:
         self.store.put_bytes(self.key(layout.RUN_JSON), json.dumps(info, indent=2, sort_keys=False).encode())
 
     def read_run_info(self) -> dict[str, Any]:
-        return dict(json.loads(self.store.get_bytes(self.key(layout.RUN_JSON))))
+        """run.json, parsed totally (infra.records.RunInfoRecord): CorruptRecordError naming it otherwise."""
+        return check_record(RunInfoRecord, self.store.get_bytes(self.key(layout.RUN_JSON)), self.url(layout.RUN_JSON),
+                            "run.json")
 
     # ---------------------------------------------------------------- lease
 
@@ -353,8 +354,10 @@ class RunStore:
 
     def read_metrics(self) -> list[dict[str, Any]]:
         """Every finished iteration's metrics, in iteration order."""
-        keys = [self.key(layout.METRICS_DIR, layout.iter_dir(i) + ".json") for i in self.finished_iterations()]
-        return [json.loads(data) for data in self.store.map_parallel(self.store.get_bytes, keys)]
+        done = self.finished_iterations()
+        keys = [self.key(layout.METRICS_DIR, layout.iter_dir(i) + ".json") for i in done]
+        return [parse_metrics(data, self.store.url(key), i)
+                for i, key, data in zip(done, keys, self.store.map_parallel(self.store.get_bytes, keys))]
 
     def metrics_jsonl(self) -> str:
         """The merged metrics.jsonl view: one line per finished iteration."""

@@ -106,6 +106,8 @@ def load(url: str, state: dict[str, Any], storage_options: dict[str, Any], rank:
     is verified as it is read; None reads unverified (a checkpoint not committed through the store)."""
     load_state(url, state, storage_options, expected)
     name = EXTRA.format(rank=rank)
+    if expected is not None and name not in expected:
+        raise CheckpointCorruptError(f"{name} is not in the checkpoint's manifest")
     with fsspec.open(f"{url.rstrip('/')}/{name}", "rb", **storage_options) as f:
         data = f.read()
     _verify(name, data, expected)
@@ -336,6 +338,9 @@ class _VerifyingFileSystem:
                 yield stream
             return
         rel = _relative(path, self._base)
+        if rel not in self._expected:  # never open what the manifest does not vouch for (nor let DCP say why)
+            self.failures.append(CheckpointCorruptError(f"{rel} is not in the checkpoint's manifest"))
+            raise self.failures[-1]
         spool = tempfile.SpooledTemporaryFile(max_size=IN_MEMORY_MAX)
         digest, size = hashlib.sha256(), 0
         # A file object over an object store reads in ranged GETs of its block size; one GET of the whole

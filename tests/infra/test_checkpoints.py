@@ -167,6 +167,30 @@ def test_flipped_byte_falls_back_with_a_warning_naming_the_file(store: ObjectSto
     assert torch.equal(target["model"]["weight"], _state(1)["model"]["weight"])
 
 
+@pytest.mark.parametrize("listed", [[], [("x", b"x")]], ids=["no files", "a file the loader does not read"])
+def test_a_fake_newest_step_falls_back_to_the_last_good_one(store: ObjectStore, listed: list) -> None:
+    """A committed `step_99999999999` whose manifest vouches for nothing the loader reads: the restore
+    through the ranks' reader (what `train --resume` does) falls back to step 1 with a warning, never a
+    traceback; with no file listed, so does every reader (a commit never makes an empty manifest)."""
+    ckpts = CheckpointStore(store, "run1")
+    _save(ckpts, 1, _state(1))
+    fake = "run1/checkpoints/step_99999999999"
+    for path, data in listed:
+        store.put_bytes(f"{fake}/{path}", data)
+    files = [{"path": p, "size": len(d), "sha256": hashlib.sha256(d).hexdigest()} for p, d in listed]
+    store.put_bytes(f"{fake}/MANIFEST.json", json.dumps({"format": 1, "step": 99999999999, "created": "2026-12-07",
+                                                         "total_bytes": sum(f["size"] for f in files),
+                                                         "files": files}).encode())
+    assert ckpts.latest_committed() == 99999999999
+    target = _zeros_like(_state(1))
+    with pytest.warns(CheckpointFallbackWarning, match="step 99999999999 .*falling back to step 1"):
+        assert _restore(ckpts, target) == 1
+    assert torch.equal(target["model"]["weight"], _state(1)["model"]["weight"])
+    if not listed:
+        with pytest.warns(CheckpointFallbackWarning, match="step 99999999999 .*files: List should have at least 1 item.*falling back to step 1"):
+            assert ckpts.load_latest().step == 1
+
+
 def test_missing_and_truncated_files_fail_verification(store: ObjectStore, tmp_path) -> None:
     ckpts = CheckpointStore(store, "run1", keep_last=5)
     for step in (1, 2):

@@ -19,11 +19,12 @@ def test_run_json_holds_the_public_config_only(store: ObjectStore) -> None:
     cfg = load_config(None, ["storage.root=s3://bucket/runs", "storage.access_key_id=AKIAEXAMPLE",
                              "storage.secret_access_key=hunter2"])
     run = RunStore(store, "run1")
-    run.write_run_info(cfg.public_dict(), code_version="abc123", parent={"run_id": "run0", "checkpoint": 20})
+    run.write_run_info(cfg.public_dict(), code_version="abc123", parent={"run_id": "run0", "step": 20,
+                                                                  "checkpoint": "s3://b/run0/checkpoints/step_000020"})
     raw = store.get_bytes("run1/run.json")
     assert b"hunter2" not in raw and b"AKIAEXAMPLE" not in raw
     info = run.read_run_info()
-    assert info["config"]["actor"] == cfg.public_dict()["actor"] and info["parent"]["checkpoint"] == 20
+    assert info["config"]["actor"] == cfg.public_dict()["actor"] and info["parent"]["step"] == 20
     with pytest.raises(StoreError, match=r"storage\.secret_access_key"):
         run.write_run_info(cfg.model_dump(mode="json"))
     assert find_secret_keys({"a": [{"api_key": 1}], "tokenizer_path": "x", "max_new_tokens": 3}) == ["a[0].api_key"]
