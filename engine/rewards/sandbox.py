@@ -1,8 +1,9 @@
 """Run code a model wrote (a code reward) or asked for (a tool call): confined, limited, one job at a time.
 
 One child per batch, started once: in Debian's bubblewrap (isolation "bwrap", the default) with new
-user, PID, network, IPC and UTS namespaces, the root file system read-only, a private /tmp, no
-capabilities and an empty environment; the child is the namespace's init, so when it ends (or is killed
+user, PID, network, IPC and UTS namespaces, only the files it needs shown, read-only (`file_view`: never the
+home folder, the state folder, credentials or another run's storage), a private /tmp, no capabilities and
+an empty environment; the child is the namespace's init, so when it ends (or is killed
 at a timeout) everything a job started ends with it. Inside, a runner takes one job at a time from this
 process and a zygote, forked before any job arrived, forks a clean worker per job: a job cannot see
 another's code or result (no memory, descriptor or /proc path reaches them: the runner and zygote are not
@@ -12,9 +13,11 @@ read up to RESULT_CAP bytes, and `timeout_s` of wall clock from the moment the j
 the child is killed and a new one takes the jobs after it). The child's processes, everything its jobs
 start included, are capped at PROCESS_CAP by a pids cgroup of its own (a fork bomb's fork fails with
 EAGAIN): RLIMIT_NPROC cannot do it (the kernel exempts root's processes from it, and for another user it
-counts every process of that user). Where this process may make no pids cgroup (cgroup v1's `pids`
-hierarchy or a delegated v2 one), one warning line says the count is not capped; the timeout and the
-namespace's end still bound it. Measured per job: bench/sandbox_overhead.py (BENCHMARKS.md).
+counts every process of that user). Their memory together, files in its /tmp included, is capped by a
+memory cgroup of its own at memory_mb + MEMORY_SLACK_MB (RLIMIT_AS is per process: forks multiply it);
+past it the kernel kills the largest of them. Where this process may make no such cgroup (cgroup v1's
+`pids` or `memory` hierarchy, or a delegated v2 controller), one warning line says that cap is missing;
+the timeout and the namespace's end still bound what the child holds. Measured per job: bench/sandbox_overhead.py (BENCHMARKS.md).
 
 Who is to blame decides what happens (see engine.rewards.python_expr for how scores follow):
   * anything a job does once the child is ready (raise, loop forever, exhaust memory, crash its process,
@@ -29,6 +32,8 @@ the limits above apply. The escapes it allows are tests/rewards/test_sandbox_esc
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import itertools
 import json
 import logging
@@ -158,6 +163,10 @@ RESULT_CAP = 1 << 20
 FILE_CAP = 16 << 20
 # Processes of one child at once, bubblewrap's included: the runner, the zygote and a worker are 3.
 PROCESS_CAP = 32
+# A child's memory cgroup holds memory_mb (each process's own address-space cap) and this much more: the
+# runner and the zygote of a batch, bubblewrap's process, so that a job that fills its own cap still meets
+# its MemoryError there ("memory"), not the cgroup's kill. Forks of a job or an episode share the whole.
+MEMORY_SLACK_MB = 64
 
 @dataclass(frozen=True)
 class SandboxJob:
@@ -194,7 +203,7 @@ def _run_child(jobs: Sequence[SandboxJob], limits: SandboxLimits, readable: Sequ
                ) -> list[SandboxResult]:
     """Run jobs in one child until they are done or one kills it; at least one result comes back."""
     with tempfile.TemporaryDirectory(prefix="rlflow-sandbox-") as cwd, tempfile.TemporaryFile() as stderr, \
-            process_cap(PROCESS_CAP) as enter:
+            child_cgroups(PROCESS_CAP, limits.memory_mb) as enter:
         try:
             proc = subprocess.Popen(
                 [*enter, *child_command(limits, readable)],
@@ -234,33 +243,65 @@ def _warn_once(message: str) -> None:
 
 
 @contextlib.contextmanager
-def process_cap(limit: int) -> Iterator[list[str]]:
-    """A pids cgroup of its own capped at `limit` processes, for one child: yields the command prefix that
-    enters it before exec'ing the child (`sh -c`, so nothing runs between fork and exec in this process,
-    which has threads); removed when the block ends. Where no pids cgroup can be made here, the prefix is
-    empty and one warning line says so."""
-    group = _make_pids_cgroup(limit)
-    if group is None:
+def child_cgroups(processes: int, memory_mb: int) -> Iterator[list[str]]:
+    """cgroups of its own for one child (one episode, or one batch of jobs): a pids cgroup capped at
+    `processes` and a memory cgroup capped at `memory_mb` + MEMORY_SLACK_MB for all its processes together,
+    their tmpfs files (its /tmp) included. Yields the command prefix that enters them before exec'ing the
+    child (`sh -c`, so nothing runs between fork and exec in this process, which has threads); removed when
+    the block ends. A cap no cgroup can hold here is left out, and one warning line says so."""
+    name = f"rlflow-sandbox-{os.getpid()}-{next(_cgroups)}"
+    pids = _make_cgroup("pids", {"pids.max": processes}, name)
+    memory = _make_cgroup("memory", _memory_settings((memory_mb + MEMORY_SLACK_MB) << 20), name)
+    if pids is None:
         _warn_once("the sandbox cannot cap how many processes a job starts here (no writable pids cgroup): only its "
                    "timeout bounds a fork bomb")
-        yield []
-        return
+    if memory is None:
+        _warn_once("the sandbox cannot cap the memory of a job's or an episode's processes together here (no "
+                   "writable memory cgroup): each process has its own address-space cap, so N processes hold N "
+                   "times it until the timeout")
+    groups = list(dict.fromkeys(g for g in (pids, memory) if g is not None))  # cgroup v2: one group holds both
     try:
-        yield ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(group / "cgroup.procs")]
+        if not groups:
+            yield []
+            return
+        enter = 'while [ "$1" != -- ]; do echo $$ > "$1/cgroup.procs" || exit 126; shift; done; shift; exec "$@"'
+        yield ["/bin/sh", "-c", enter, "sh", *map(str, groups), "--"]
     finally:
-        for _ in range(50):  # the child's processes are killed already; the kernel lets go of them at once
-            try:
-                group.rmdir()
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                time.sleep(0.02)
+        for group in groups:
+            _remove_cgroup(group)
+
+
+def _remove_cgroup(group: Path) -> None:
+    for _ in range(50):  # the child's processes are killed already; the kernel lets go of them at once
+        try:
+            group.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.02)
+
+
+def _memory_settings(limit: int) -> dict[str, int]:
+    """The files that cap a memory cgroup at `limit` bytes, swap included where it is counted: cgroup v1's
+    (memory.memsw.* exists only with swap accounting on; it must be at least the plain limit, so it comes
+    second) or v2's."""
+    if (_CGROUP_ROOT / "cgroup.controllers").exists() and not (_CGROUP_ROOT / "memory").is_dir():
+        return {"memory.max": limit, "memory.swap.max": 0}
+    return {"memory.limit_in_bytes": limit, "memory.memsw.limit_in_bytes": limit}
 
 
 def _make_pids_cgroup(limit: int) -> Path | None:
-    """A new cgroup under this process's own in the pids hierarchy (v1), or in the unified one (v2) where
-    the pids controller is delegated to it, with pids.max = `limit`; None where that cannot be done."""
+    """A pids cgroup capped at `limit` processes (see _make_cgroup), or None."""
+    return _make_cgroup("pids", {"pids.max": limit}, f"rlflow-sandbox-{os.getpid()}-{next(_cgroups)}")
+
+
+def _make_cgroup(controller: str, settings: dict[str, int], name: str) -> Path | None:
+    """A cgroup `name` under this process's own in the `controller` hierarchy (v1), or in the unified one
+    (v2) where the controller is delegated to it, with each of `settings` written (a file the kernel does
+    not offer, such as swap's without swap accounting, is left out; the first one must exist); None where
+    that cannot be done. In v2 the group of another controller of the same child is reused (a process is
+    in one v2 cgroup)."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
@@ -268,25 +309,32 @@ def _make_pids_cgroup(limit: int) -> Path | None:
     bases = []
     for line in lines:
         _, controllers, path = line.split(":", 2)
-        if "pids" in controllers.split(","):
-            bases.append(_CGROUP_ROOT / "pids" / path.lstrip("/"))
+        if controller in controllers.split(","):
+            bases.append(_CGROUP_ROOT / controller / path.lstrip("/"))
         elif controllers == "" and (_CGROUP_ROOT / "cgroup.controllers").exists():  # a v2-only machine
             bases.append(_CGROUP_ROOT / path.lstrip("/"))
+    first = next(iter(settings))
     for base in bases:
-        group = base / f"rlflow-sandbox-{os.getpid()}-{next(_cgroups)}"
+        group, made = base / name, False
         try:
             group.mkdir()
+            made = True
+        except FileExistsError:
+            pass  # v2: this child's group, made for another controller
         except OSError:
             continue
         try:
-            if (group / "pids.max").exists():  # made by the kernel: a cgroup, not a plain folder
-                with open(group / "pids.max", "w") as handle:
-                    handle.write(f"{limit}\n")
+            if (group / first).exists():  # made by the kernel: a cgroup with this controller, not a plain folder
+                for file, value in settings.items():
+                    if file == first or (group / file).exists():
+                        with open(group / file, "w") as handle:
+                            handle.write(f"{value}\n")
                 return group
         except OSError:
             pass
-        with contextlib.suppress(OSError):
-            group.rmdir()
+        if made:
+            with contextlib.suppress(OSError):
+                group.rmdir()
     return None
 
 
@@ -296,9 +344,9 @@ def bwrap_available() -> bool:
 
 def child_command(limits: SandboxLimits, readable: Sequence[str] = ()) -> list[str]:
     """The sandbox child's command line. isolation "bwrap": in Debian's bubblewrap, with new user, PID,
-    network, IPC and UTS namespaces (no network at all, no other process visible), the root file system
-    read-only, a private /tmp (what the jobs need from the real /tmp, read-only: this interpreter, its
-    environment, rlflow's source, `readable`), no capabilities, and the namespace ended with the child."""
+    network, IPC and UTS namespaces (no network at all, no other process visible), only the files the child
+    needs shown, read-only (`file_view`: this interpreter, its environment, rlflow's engine, `readable`), a
+    private /tmp, no capabilities, and the namespace ended with the child."""
     cpu_s = int(limits.timeout_s) + 2  # a job's CPU seconds: its wall clock bounds it first
     return confined([sys.executable, "-I", "-c", _CHILD, str(limits.memory_mb * 2**20), str(RESULT_CAP),
                      str(FILE_CAP), str(cpu_s)], limits, readable)
@@ -317,18 +365,126 @@ def confined(child: list[str], limits: SandboxLimits, readable: Sequence[str] = 
     # --as-pid-1: no bubblewrap process inside the namespace (it would hold the pipe to this process, open
     # to a job through /proc/1/fd); the runner is the namespace's init, and all of it ends with it
     return [BWRAP, "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1", "--cap-drop", "ALL",
-            "--ro-bind", "/", "/", "--tmpfs", "/tmp", *_shown_from_tmp(readable), "--proc", "/proc", "--dev", "/dev",
-            "--chdir", "/tmp", "--clearenv", "--setenv", "PATH", os.defpath, "--", *child]
+            *file_view(readable), "--chdir", "/tmp", "--clearenv", "--setenv", "PATH", os.defpath, "--", *child]
 
 
-def _shown_from_tmp(readable: Sequence[str]) -> list[str]:
-    """--ro-bind arguments for what the child needs from under /tmp (a virtual environment or a checkout
-    there, a tool's file), which the private /tmp would hide."""
-    wanted = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)),
-              str(Path(__file__).resolve().parents[2]), *(os.path.realpath(p) for p in readable)}
-    under = sorted(p for p in wanted if p.startswith("/tmp/") and os.path.exists(p))
-    kept = [p for p in under if not any(p.startswith(q.rstrip("/") + "/") for q in under if q != p)]
-    return [arg for p in kept for arg in ("--ro-bind", p, p)]
+# What the sandbox shows of this machine's files. It binds, read-only, only what the child needs: the
+# system's programs and libraries, the few files of /etc that the loader and the C library read, this
+# interpreter and its environment (sys.prefix, sys.base_prefix: a venv or a pyenv under the home folder is
+# shown, the home folder is not), the child's import path, rlflow's engine package, and `readable` (a
+# tool's, an environment's or an agent's own file or package, an agent's socket). Binding / and hiding the
+# secrets we know of (a tmpfs over the home folder, the state folder, ~/.aws) would show whatever that list
+# forgets: another tool's credentials, a new token file, another run's local storage, another user's
+# world-readable files; a list of what is shown fails closed instead (a file it forgets is missing, and the
+# child says so). Running as another user would not do: rlflow's own files are 0600 for its user, and root
+# reads any file. Where a secret folder lies inside a shown one (a state folder inside the venv), an empty
+# tmpfs hides it.
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "passwd", "group", "nsswitch.conf",
+             "alternatives", "ssl/certs", "ssl/openssl.cnf", "mime.types")  # not ssl/private, not shadow
+# Secrets by their usual place (~ expanded) or the variable that names them; hidden where a shown folder
+# holds them. The home folder itself is one: only the paths under it that are needed are shown.
+SECRET_PATHS = ("~", "~/.rlflow", "~/.aws", "~/.ray", "~/.prefect", "~/.config", "~/.ssh", "~/.netrc")
+SECRET_VARIABLES = ("RLFLOW_HOME", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                    "RAY_AUTH_TOKEN_PATH", "PREFECT_HOME", "GOOGLE_APPLICATION_CREDENTIALS")
+
+
+def file_view(readable: Sequence[str] = ()) -> list[str]:
+    """bubblewrap's arguments for the child's file system: the system folders and /etc's files as they
+    are, a private /tmp, /proc and /dev of its own, then (outer folders first) what the child needs and the
+    secrets inside it hidden, and the root made read-only."""
+    args = []
+    for folder in SYSTEM_DIRS:  # /bin and /lib are links into /usr on a merged-/usr system: kept as links
+        if os.path.islink(folder):
+            args += ["--symlink", os.readlink(folder), folder]
+        elif os.path.isdir(folder):
+            args += ["--ro-bind", folder, folder]
+    for name in ETC_FILES:
+        args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+    args += ["--tmpfs", "/tmp", "--proc", "/proc", "--dev", "/dev"]
+    binds = _needed(readable)  # (source, where it is shown)
+    shown = [where for _, where in binds] + [f for f in SYSTEM_DIRS if not os.path.islink(f)]
+    masks = sorted({p for p in _secrets() if any(_under(p, s) for s in shown)})
+    # a needed path inside another is bound again only where a mask between them would hide it
+    binds = [(src, where) for src, where in binds
+             if not any(where != other and _under(where, other) for other in shown) or
+             any(_under(where, m) for m in masks)]
+    steps = [(where.count("/"), 0, ["--ro-bind", src, where]) for src, where in binds]
+    steps += [(m.count("/"), 1, ["--tmpfs", m] if os.path.isdir(m) else ["--ro-bind", "/dev/null", m])
+              for m in masks]
+    for _, _, step in sorted(steps, key=lambda s: (s[0], s[1])):  # outer first; at one path, the mask last
+        args += step
+    return args + ["--remount-ro", "/"]
+
+
+def _under(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def _needed(readable: Sequence[str]) -> list[tuple[str, str]]:
+    """(real path, path the child uses) of each thing the child needs that exists, beyond the system's."""
+    wanted = [sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+              str(Path(__file__).resolve().parents[1]), *_import_path(), *readable]
+    binds: dict[str, str] = {}
+    for path in wanted:
+        shown, real = os.path.abspath(path), os.path.realpath(path)
+        if not os.path.exists(real) or any(_under(real, f) for f in SYSTEM_DIRS if not os.path.islink(f)):
+            continue
+        binds[real] = real
+        binds[shown] = real  # a link's own path, as the child names it (a venv's bin/python, a tool's file)
+    return sorted((src, where) for where, src in binds.items())
+
+
+def _secrets() -> list[str]:
+    """The secret paths of this process's user (each as given and as it really is)."""
+    named = [os.path.expanduser(p) for p in SECRET_PATHS]
+    named += [os.path.expanduser(os.environ[v]) for v in SECRET_VARIABLES if os.environ.get(v)]
+    found = set()
+    for path in named:
+        if path != "/" and os.path.exists(path):
+            found.update({os.path.abspath(path), os.path.realpath(path)})
+    return sorted(found)
+
+
+@functools.lru_cache(maxsize=1)
+def _import_path() -> tuple[str, ...]:
+    """What the child imports from beyond its environment's folders: the entries its own sys.path gets from
+    .pth files (a project installed in place). Of such a folder (a checkout, with ./runs beside its
+    packages) only its packages and modules are shown."""
+    try:
+        out = subprocess.run([sys.executable, "-I", "-c", "import json, sys; print(json.dumps(sys.path))"],
+                             capture_output=True, env={"PATH": os.defpath}, timeout=_STARTUP_TIMEOUT_S, check=True)
+        entries = json.loads(out.stdout)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return ()
+    found = []
+    for entry in entries:
+        if not isinstance(entry, str) or not os.path.isdir(entry) or any(
+                _under(os.path.realpath(entry), os.path.realpath(p)) for p in (sys.prefix, sys.base_prefix)):
+            continue
+        for name in sorted(os.listdir(entry)):
+            member = os.path.join(entry, name)
+            if name.endswith((".py", ".so")) or os.path.isfile(os.path.join(member, "__init__.py")):
+                found.append(member)
+    return tuple(found)
+
+
+def shown_files(ref: str) -> list[str]:
+    """What the sandbox shows of the code `ref` names ('path/to/file.py:name' or 'module:name'): the file,
+    or the top-level package (or module) the module is found in from here; none when it is not found (the
+    child's own import then says so)."""
+    target = ref.rpartition(":")[0]
+    if target.endswith(".py"):
+        return [target]
+    try:
+        spec = importlib.util.find_spec(target.split(".")[0]) if target else None
+    except (ImportError, ValueError):
+        return []
+    if spec is None:
+        return []
+    if spec.submodule_search_locations:
+        return list(spec.submodule_search_locations)
+    return [spec.origin] if spec.origin and os.path.isfile(spec.origin) else []
 
 
 def _await_ready(

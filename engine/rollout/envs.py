@@ -12,8 +12,9 @@ the shape of SkyRL-Gym's text environments:
 replayed rollout plays the same episodes). The class is built with no arguments, once per episode.
 
 Every episode's environment runs in a sandbox child of its own (engine.rewards.sandbox's confinement:
-bubblewrap, no network, read-only root, a private /tmp, an address-space cap, a pids cgroup): episodes
-cannot see each other, and nothing an environment does reaches the trainer but the JSON it returns,
+bubblewrap, no network, only the files it needs shown and read-only, a private /tmp, an address-space cap
+per process, a pids and a memory cgroup for the episode's processes together): episodes cannot see each
+other nor the stack's secrets, and nothing an environment does reaches the trainer but the JSON it returns,
 checked here. `init` and each `step` have a deadline (rollout.multi_turn.env_step_timeout_s) from the
 moment the request is sent; past it the child is killed and the episode ends as an error. An error of
 any kind (a raise, a hang, memory, a crash, a return value of the wrong shape) ends the episode: it is
@@ -42,10 +43,11 @@ from engine.rewards.sandbox import (
     PROCESS_CAP,
     RESULT_CAP,
     SandboxJob,
+    child_cgroups,
     confined,
     kill_child,
-    process_cap,
     run_sandboxed,
+    shown_files,
 )
 from engine.rewards.types import SandboxLimits
 
@@ -173,7 +175,7 @@ class EnvSession:
         try:
             self._cwd = self._stack.enter_context(tempfile.TemporaryDirectory(prefix="rlflow-env-"))
             self._stderr = self._stack.enter_context(tempfile.TemporaryFile())
-            enter = self._stack.enter_context(process_cap(PROCESS_CAP))
+            enter = self._stack.enter_context(child_cgroups(PROCESS_CAP, limits.memory_mb))
             self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
                 [*enter, *command], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, cwd=self._cwd,
                 env={"PATH": os.defpath}, start_new_session=True)
@@ -394,9 +396,9 @@ def probe_reference(setting: str, ref: str, probe: str, limits: EnvLimits, reada
 
 
 def env_files(ref: str) -> list[str]:
-    """The file an environment given by path lives in (shown read-only to its sandbox), or none."""
-    target = ref.rpartition(":")[0]
-    return [target] if target.endswith(".py") else []
+    """What the sandbox shows of an environment's or an agent's own code (read-only): its file, or its
+    module's top-level package (engine.rewards.sandbox.shown_files)."""
+    return shown_files(ref)
 
 
 # -- how an observation reads after a turn -------------------------------------------------------

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from engine.errors import ConfigError
 from engine.imports import canonical_spec, load_object
-from engine.rewards.sandbox import SandboxJob, bwrap_available, run_sandboxed
+from engine.rewards.sandbox import SandboxJob, bwrap_available, run_sandboxed, shown_files
 from engine.rewards.types import SandboxLimits
 
 Format = Literal["hermes", "llama3_json"]
@@ -205,7 +205,7 @@ def call_tools(calls: Sequence[tuple[str, ToolCall] | str], tools: dict[str, tup
         where.append((len(out), call.name))
         jobs.append(SandboxJob(code=code, mode="exec", builtins=True))
         out.append(None)
-    files = sorted({ref.rpartition(":")[0] for ref, _ in tools.values() if ref.rpartition(":")[0].endswith(".py")})
+    files = sorted({path for ref, _ in tools.values() for path in shown_files(ref)})  # each tool's own code
     for (i, name), result in zip(where, run_sandboxed(jobs, limits, files) if jobs else []):
         out[i] = _observation(name, result, limits)
     return [(text or "")[:max_chars] for text in out]

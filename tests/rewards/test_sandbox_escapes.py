@@ -6,10 +6,13 @@ and skip, except where RLFLOW_SANDBOX_TESTS=required (CI), where they fail."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -248,9 +251,102 @@ def test_a_fork_bomb_meets_the_process_cap(monkeypatch: pytest.MonkeyPatch) -> N
     assert sandbox.PROCESS_CAP - 8 <= bomb.value["forked"] <= sandbox.PROCESS_CAP - 4, bomb  # type: ignore[index]
     assert (after.status, after.value) == ("ok", 2)
     assert list(Path("/sys/fs/cgroup/pids").glob(mine)) == []  # removed
-    monkeypatch.setattr(sandbox, "_make_pids_cgroup", lambda limit: None)
+    made = sandbox._make_cgroup
+    monkeypatch.setattr(sandbox, "_make_cgroup", lambda kind, settings, name: None if kind == "pids" else
+                        made(kind, settings, name))
     (uncapped,) = run_sandboxed([SandboxJob(_FORK_BOMB, mode="exec", builtins=True)], LIMITS)
     assert uncapped.value == {"forked": 200, "error": None}, uncapped  # what main did
+
+
+# Four forks each writing 72 MB: under a per-process cap of 128 MB each fits. Each holds its block until
+# every fork holds its own or is gone; `held` counts those that held it to then (their exit code is 0, a
+# fork the kernel killed for memory has none). The child's memory cgroup (128 + MEMORY_SLACK_MB for all
+# its processes together) has room for two.
+_FORKS_HOLDING = """
+import os, select
+ready_r, ready_w = os.pipe()
+go_r, go_w = os.pipe()
+kids = {}
+for i in range(4):
+    pid = os.fork()
+    if pid == 0:
+        os.close(ready_r)
+        os.close(go_w)
+        block = b"x" * (72 << 20)  # written: resident
+        os.write(ready_w, bytes([i]))
+        os.read(go_r, 1)  # until the parent closes its end
+        os._exit(0)
+    kids[pid] = i
+os.close(ready_w)
+os.close(go_r)
+accounted, codes = set(), {}
+while len(accounted) < 4:  # each fork holds its block, or is gone
+    if select.select([ready_r], [], [], 0.02)[0]:
+        accounted.update(os.read(ready_r, 4))
+    for pid in set(kids) - set(codes):
+        if os.waitpid(pid, os.WNOHANG)[0]:
+            codes[pid] = 1
+            accounted.add(kids[pid])
+os.close(go_w)
+held = 0
+for pid in kids:
+    if pid not in codes:
+        held += os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+"""
+
+# 600 MB of files in its private /tmp (a tmpfs: memory), 15 MB each under the file size cap.
+_FILLS_TMP = """
+for i in range(40):
+    with open(f"/tmp/f{i}", "wb") as f:
+        f.write(b"x" * (15 << 20))
+result = "wrote 600 MB"
+"""
+
+
+def test_an_episodes_processes_share_one_memory_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """On main the memory cap was each process's address space: 25 forks of 400 MB under a 512 MB cap held
+    6 GiB in one episode. The child's memory cgroup caps them together, in a code job and in an
+    environment's episode; without it (the cgroup taken away) all four hold their 72 MB, and one warning
+    line says the memory is not capped together."""
+    from engine.rewards import sandbox
+    from engine.rollout.envs import EnvLimits, EnvSession
+
+    probe = sandbox._make_cgroup("memory", {"memory.limit_in_bytes": 1 << 30}, f"rlflow-probe-{os.getpid()}") or \
+        sandbox._make_cgroup("memory", {"memory.max": 1 << 30}, f"rlflow-probe-{os.getpid()}")
+    if probe is None:
+        message = "no writable memory cgroup here: the sandbox's memory cap per episode cannot be tested"
+        if os.environ.get("RLFLOW_SANDBOX_TESTS") == "required":
+            pytest.fail(message)
+        pytest.skip(message)
+    probe.rmdir()
+    limits = SandboxLimits(timeout_s=10.0, memory_mb=128)
+    (job, files) = run_sandboxed([SandboxJob(_FORKS_HOLDING + "result = held", mode="exec", builtins=True),
+                                  SandboxJob(_FILLS_TMP, mode="exec", builtins=True)], limits)
+    assert job.status == "ok" and job.value <= 2, job
+    assert (files.status, files.detail) == ("crashed", "the interpreter exited with code -9"), files  # its /tmp too
+    env = tmp_path / "forks.py"
+    env.write_text("class Forks:\n    def init(self, row):\n" +
+                   "".join(f"        {line}\n" for line in _FORKS_HOLDING.strip().splitlines()) +
+                   "        return [{'role': 'user', 'content': str(held)}]\n")
+    session = EnvSession(f"{env}:Forks", EnvLimits(step_timeout_s=10.0, memory_mb=128), [str(env)])
+    try:
+        session.send("init", {})
+        outcome = session.receive("init")
+    finally:
+        session.close()
+    assert outcome.error == "" and int(outcome.observations[0]["content"]) <= 2, outcome
+    made = sandbox._make_cgroup
+    monkeypatch.setattr(sandbox, "_make_cgroup", lambda kind, settings, name: None if kind == "memory" else
+                        made(kind, settings, name))
+    sandbox._warned.clear()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rlflow.sandbox"):
+        (job,) = run_sandboxed([SandboxJob(_FORKS_HOLDING + "result = held", mode="exec", builtins=True)], limits)
+    assert (job.status, job.value) == ("ok", 4), job  # what main did
+    assert [r.message for r in caplog.records if "memory" in r.message] == [
+        "the sandbox cannot cap the memory of a job's or an episode's processes together here (no writable memory "
+        "cgroup): each process has its own address-space cap, so N processes hold N times it until the timeout"]
 
 
 def test_where_bwrap_is_missing_only_pure_tools_run_unless_isolation_is_none(monkeypatch: pytest.MonkeyPatch,
@@ -270,6 +366,7 @@ def test_where_bwrap_is_missing_only_pure_tools_run_unless_isolation_is_none(mon
         run_sandboxed([SandboxJob("1 + 1")], LIMITS)  # a code reward
     unconfined = SandboxLimits(timeout_s=3.0, memory_mb=512, isolation="none")
     sandbox._warned.clear()
+    caplog.clear()  # the calls above may have warned already (whether they did depends on the tests before)
     with caplog.at_level("WARNING", logger="rlflow.sandbox"):
         assert call_tools(calls, tools, unconfined, 200) == ["cba", "42"]
         assert run_sandboxed([SandboxJob("1 + 1")], unconfined)[0].value == 2
@@ -283,3 +380,129 @@ def test_the_isolation_setting_reaches_the_sandbox() -> None:
 
     assert SandboxLimits.from_config(RewardConfig()).isolation == "bwrap"
     assert SandboxLimits.from_config(RewardConfig(sandbox={"isolation": "none"})).isolation == "none"
+
+
+
+# -- the stack's secrets -------------------------------------------------------------------------------
+
+_PEEK = '''
+import json, os
+
+def peek(paths):
+    """What this process sees at each path: a file's text, a folder's names, or why not."""
+    seen = {}
+    for path in paths:
+        try:
+            seen[path] = ("listed " + ",".join(sorted(os.listdir(path))) if os.path.isdir(path)
+                          else "read " + open(path).read())
+        except OSError as err:
+            seen[path] = type(err).__name__
+    return seen
+
+try:
+    from engine.rollout.tools import tool
+except ImportError:  # unconfined and outside this checkout's environment
+    tool = None
+
+if tool is not None:
+    @tool(parameters={"type": "object", "properties": {"paths": {"type": "string"}}, "required": ["paths"]})
+    def peek_tool(paths: str) -> str:  # a tool: its observation is what it saw
+        return json.dumps(peek(json.loads(paths)))
+
+class Peeker:  # an environment: its prompt is what it saw
+    def init(self, row):
+        return [{"role": "user", "content": json.dumps(peek(row["paths"]))}]
+
+    def step(self, text):
+        return [], 0.0, True, {}
+
+def peeker(client, row):  # an agent: its first call carries what it saw
+    client.chat.completions.create(model="policy",
+                                   messages=[{"role": "user", "content": json.dumps(peek(row["paths"]))}])
+    return 0.0
+'''
+
+
+@pytest.fixture
+def planted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, list[str], Path]]:
+    """Secrets where the stack and the user keep them: a home folder outside /tmp (the sandbox's private /tmp
+    hides whatever is there) holding ~/.aws/credentials, ~/.ray/auth_token and another run's local storage;
+    and the state folder ($RLFLOW_HOME: credentials/*.ini, stack/prefect_auth, stack/ray_auth_token) inside
+    this virtual environment, a folder the sandbox must show (its libraries), so that it must be hidden
+    there. Gives the secret, the paths to peek at (the checkout's pyproject.toml too: the checkout is shown
+    by its packages only, where ./runs, the default storage root, lies beside them) and the probe's file."""
+    secret = "planted-secret-" + os.urandom(6).hex()
+    home = Path(f"/var/tmp/rlflow-home-{os.getpid()}-{os.urandom(3).hex()}")
+    state = Path(os.path.realpath(sys.prefix)) / f"rlflow-state-{os.getpid()}-{os.urandom(3).hex()}"
+    try:
+        state.mkdir()
+    except OSError as err:
+        pytest.skip(f"this virtual environment is not writable here ({err}): the planted state folder needs it")
+    files = [home / ".aws" / "credentials", home / ".ray" / "auth_token", home / "runs" / "other-run" / "run.json",
+             state / "credentials" / "x.ini", state / "stack" / "prefect_auth", state / "stack" / "ray_auth_token"]
+    try:
+        for file in files:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            file.write_text(secret)
+            file.chmod(0o600)
+        monkeypatch.setenv("HOME", str(home))
+        monkeypatch.setenv("RLFLOW_HOME", str(state))
+        probe = tmp_path / "peek.py"
+        probe.write_text(_PEEK)
+        project = Path(__file__).resolve().parents[2]
+        paths = [str(f) for f in files] + [str(home), str(state), str(project / "pyproject.toml")]
+        yield secret, paths, probe
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def _saw_nothing(seen: dict[str, str], secret: str, paths: list[str]) -> None:
+    assert sorted(seen) == sorted(paths), seen  # the probe ran and answered for each path
+    assert secret not in json.dumps(seen), seen
+    # each path is missing, or an empty folder (the state folder, masked inside the environment's folder)
+    assert {p: what for p, what in seen.items() if what not in ("FileNotFoundError", "listed ")} == {}, seen
+
+
+def test_a_tool_sees_none_of_the_stacks_secrets(planted: tuple[str, list[str], Path]) -> None:
+    """On main a tool read them all (the sandbox bound / read-only as our user: mode 0600 protected nothing).
+    Unconfined, the same tool reads each one: they are there to read."""
+    from engine.rollout.tools import ToolCall, call_tools, load_tools
+
+    secret, paths, probe = planted
+    tools = load_tools([f"{probe}:peek_tool"])
+    call = [("0", ToolCall("peek_tool", {"paths": json.dumps(paths)}))]
+    (got,) = call_tools(call, tools, SandboxLimits(timeout_s=10.0, memory_mb=512), 100_000)
+    _saw_nothing(json.loads(got), secret, paths)
+    (got,) = call_tools(call, tools, SandboxLimits(timeout_s=10.0, memory_mb=512, isolation="none"), 100_000)
+    assert [what for what in json.loads(got).values()].count("read " + secret) == 6, got
+
+
+def test_an_environment_sees_none_of_the_stacks_secrets(planted: tuple[str, list[str], Path]) -> None:
+    from engine.rollout.envs import EnvLimits, EnvSession, env_files
+
+    secret, paths, probe = planted
+    ref = f"{probe}:Peeker"
+    session = EnvSession(ref, EnvLimits(step_timeout_s=10.0, memory_mb=512), env_files(ref))
+    try:
+        session.send("init", {"paths": paths})
+        outcome = session.receive("init")
+    finally:
+        session.close()
+    assert outcome.error == "", outcome
+    _saw_nothing(json.loads(outcome.observations[0]["content"]), secret, paths)
+
+
+def test_an_agent_sees_none_of_the_stacks_secrets(planted: tuple[str, list[str], Path]) -> None:
+    from engine.rollout.agents import AgentSession, Call
+    from engine.rollout.envs import EnvLimits, env_files
+
+    secret, paths, probe = planted
+    ref = f"{probe}:peeker"
+    session = AgentSession(ref, EnvLimits(step_timeout_s=10.0, memory_mb=512), env_files(ref))
+    try:
+        call = session.start({"paths": paths})
+    finally:
+        session.close()
+    assert isinstance(call, Call), (call, session.failed)
+    _saw_nothing(json.loads(call.body["messages"][0]["content"]), secret, paths)
