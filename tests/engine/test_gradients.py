@@ -47,7 +47,9 @@ ROWS, T, TEMPERATURE = 20, 8, 0.9
 MICRO_SIZES = (1, 3, ROWS)  # 3: chunks of 3, 3, 3, 1 per rank with 2 ranks (3 x 6 + 2 with one)
 ACTOR = {"clip_low": 0.2, "clip_high": 0.28, "use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "k3",
          "entropy_coeff": 0.01}
-REL_TOL = 1e-4  # of the gradient norm; float32 summation order gives ~1e-6
+# Of the gradient norm: the bound the README states. float32 summation order gives at most 1.5e-6 here
+# (actor and token budgets; critic 1.9e-7, SFT 8.9e-7, DPO 4.2e-7; 2026-12-07, 1 and 2 ranks).
+REL_TOL = 3e-6
 
 
 @pytest.fixture(scope="module")
