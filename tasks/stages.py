@@ -72,7 +72,8 @@ def retry_unless_engine_gone(task: Any, task_run: Any, state: Any) -> bool:
 
 
 def stage_task(name: str, cache: bool = True) -> Any:
-    """The decorator every stage shares: retries with backoff, a timeout, persisted cached results.
+    """The decorator every stage shares: the retry condition (the retries themselves are the run's:
+    `with_retries`), a timeout, persisted cached results.
     Stages of the iteration graph are registered in TASKS under `name` (StageSpec.task)."""
     def wrap(fn: Any) -> Any:
         @functools.wraps(fn)

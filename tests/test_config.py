@@ -208,6 +208,17 @@ def test_dr_grpo_is_described_with_both_of_its_changes() -> None:
         assert "seq-mean-token-sum-norm" in text and ("norm_adv_by_std" in text or "dr_grpo" in text), key
 
 
+def test_the_architecture_states_the_stage_retries_of_the_config() -> None:
+    """docs/architecture.md describes a stage's retries as trainer.stage_retry_delays_s with its default,
+    not as a count of its own."""
+    from flows.config import TrainerConfig
+
+    text = " ".join((Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text().split())
+    default = ", ".join(f"{d:g}" for d in TrainerConfig().stage_retry_delays_s)
+    assert f"`trainer.stage_retry_delays_s`, after that many seconds (default [{default}])" in text
+    assert not re.search(r"\b(\d+|two|three) retries\b", text)
+
+
 def test_the_configuration_reference_is_current() -> None:
     """docs/configuration.md is what `rlflow config docs` prints: the defaults and descriptions stay true."""
     from flows.commands.config import reference
