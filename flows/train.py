@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import logging
+import math
 import os
 import signal
 import threading
@@ -43,7 +44,7 @@ from flows.plan import OpenRun, open_run, resolve_config
 from infra.buffers import load_ref, read_buffer
 from infra.checkpoints import CheckpointStore, Manifest
 from infra.config import StorageConfig
-from infra.errors import IntegrityError
+from infra.errors import CorruptRecordError, IntegrityError
 from tasks.context import RunPlan, context
 from tasks.faults import maybe_kill_flow
 from tasks.runner import StageTaskRunner
@@ -583,9 +584,9 @@ def _restore_kl(trainer: Trainer) -> None:
     ckpts = _checkpoint_store(trainer)
     start = 0
     for step in sorted((s for s in ckpts.committed_steps() if s <= finished), reverse=True):
-        state = ckpts.read_trainer_state(step)
+        state = _kl_state(ckpts, step)
         if state is not None:
-            trainer.kl.load_state_dict(state["kl_ctrl"])
+            trainer.kl.load_state_dict(state)
             start = step
             break
     store, run_id = trainer.run.store, trainer.plan.run_id
@@ -594,8 +595,27 @@ def _restore_kl(trainer: Trainer) -> None:
         if ref is None:
             raise RuntimeError(f"the adaptive KL controller after iteration {iteration} is recorded in that "
                                "iteration's advantage buffer, and it is not in storage")
-        recorded = read_buffer(store, ref).meta["metrics"]
-        trainer.kl.update(recorded["actor/reward_kl_penalty"], n_steps=cfg.data.train_batch_size * cfg.rollout.n)
+        recorded = read_buffer(store, ref).meta.get("metrics")
+        kl = recorded.get("actor/reward_kl_penalty") if isinstance(recorded, dict) else None
+        if type(kl) not in (int, float) or not math.isfinite(kl):
+            raise CorruptRecordError(f"{ref.uri} records actor/reward_kl_penalty={kl!r}, not a finite number: the "
+                                     f"adaptive KL controller after iteration {iteration} cannot be restored")
+        trainer.kl.update(kl, n_steps=cfg.data.train_batch_size * cfg.rollout.n)
+
+
+def _kl_state(ckpts: CheckpointStore, step: int) -> dict[str, float] | None:
+    """The KL controller's state in step's trainer.json (verified against the manifest, parsed totally); None,
+    with a warning, when it is missing, does not verify or holds no controller: an older one is used."""
+    try:
+        state = ckpts.read_trainer_state(step)
+    except IntegrityError as err:
+        log.warning("checkpoint step %d: %s; the KL controller comes from an older record", step, err)
+        return None
+    kl = (state or {}).get("kl_ctrl")
+    if state is not None and not (isinstance(kl, dict) and "value" in kl):
+        log.warning("checkpoint step %d: trainer.json holds no KL controller; an older record is used", step)
+        return None
+    return kl
 
 
 def _last_iteration(cfg: RLConfig, first: int) -> int:

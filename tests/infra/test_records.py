@@ -195,3 +195,57 @@ def test_a_planted_hash_record_is_ignored_and_the_file_hashed_from_storage(store
     store.put_bytes("run1/checkpoints/step_000001/.sha256/planted.json", b'{"files": [{"path": 5}]}')
     manifest = ckpts.commit(1)
     assert [(f.path, f.sha256) for f in manifest.files] == [("a.bin", hashlib.sha256(b"a" * 10).hexdigest())]
+
+
+def test_the_kl_controller_is_restored_from_verified_records_only(store: ObjectStore, caplog) -> None:
+    """flows/train.py _restore_kl on a resume: trainer.json of the newest checkpoint, then the KL each later
+    advantage buffer recorded. An edited trainer.json (NaN, MANIFEST untouched) is skipped with a warning
+    and the controller is rebuilt from the buffers; a buffer recording a NaN KL is refused."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from engine.advantage import make_kl_controller
+    from engine.batch import Batch
+    from flows.config import load_config
+    from flows.train import _restore_kl
+    from infra.buffers import write_buffer
+
+    cfg = load_config(None, ["algorithm.kl_ctrl=adaptive", "algorithm.use_kl_in_reward=true"])
+    runs = RunStore(store, "run1")
+    kls = {1: 0.5, 2: 0.01}
+    for iteration, kl in kls.items():
+        runs.write_metrics(iteration, {"actor/pg_loss": 0.0})
+        write_buffer(store, "run1", iteration, "advantage",
+                     Batch({"advantages": torch.zeros(2, 3)}, {}, {"metrics": {"actor/reward_kl_penalty": kl}}))
+    ckpts = _commit_step(store, 1, json.dumps({"iteration": 1, "kl_ctrl": {"value": 0.5}}).encode())
+    trainer = SimpleNamespace(cfg=cfg, kl=None, run=SimpleNamespace(runs=runs, store=store),
+                              plan=SimpleNamespace(run_id="run1"))
+    n = cfg.data.train_batch_size * cfg.rollout.n
+
+    def expected(start: float | None, iterations: list[int]) -> float:
+        ctrl = make_kl_controller(cfg.algorithm)
+        if start is not None:
+            ctrl.load_state_dict({"value": start})
+        for i in iterations:
+            ctrl.update(kls[i], n_steps=n)
+        return ctrl.value
+
+    _restore_kl(trainer)
+    assert trainer.kl.value == expected(0.5, [2])
+
+    # NaN for 0.5: the same size, so only the hash tells
+    store.put_bytes(ckpts.step_key(1, "trainer.json"), json.dumps({"iteration": 1, "kl_ctrl": {"value": float("nan")}}
+                                                                  ).encode())
+    logging.getLogger("rlflow.train").addHandler(caplog.handler)
+    try:
+        _restore_kl(trainer)
+    finally:
+        logging.getLogger("rlflow.train").removeHandler(caplog.handler)
+    assert trainer.kl.value == expected(None, [1, 2])
+    assert "step_000001/trainer.json is corrupt: sha256" in caplog.text
+
+    write_buffer(store, "run1", 2, "advantage",
+                 Batch({"advantages": torch.zeros(2, 3)}, {}, {"metrics": {"actor/reward_kl_penalty": float("nan")}}))
+    with pytest.raises(CorruptRecordError, match="advantage.parquet records actor/reward_kl_penalty=nan"):
+        _restore_kl(trainer)
