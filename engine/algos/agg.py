@@ -11,7 +11,8 @@ does that (engine/workers/fsdp.micro_weights), so the gradient does not depend o
 size, the last chunk's size or the world size.
 
 Divisors follow verl `agg_loss` (`verl/trainer/ppo/core_algos.py`) except Dr. GRPO's, see
-`_seq_mean_token_sum_norm`.
+`_seq_mean_token_sum_norm`. verl too (at b178a3c, January 2026) divides by the global mini-batch's tokens
+or sequences (its `batch_num_tokens`, `global_batch_size` and `dp_size` arguments), as micro_weights does.
 """
 
 from __future__ import annotations
@@ -57,8 +58,10 @@ def _seq_mean_token_sum_norm(loss_mat: torch.Tensor, loss_mask: torch.Tensor, ma
 
     L is `max_response_length` (the configured generation limit), never the width this batch
     happens to be padded to, so the normalizer is the same at every step and in every micro-batch.
-    verl divides the batch sum by T alone, which makes the loss scale with the batch size; here the
-    scale is the same for any batch size. Without `max_response_length`, T is used.
+    verl divides the sum over the batch's sequences by its `loss_scale_factor` (actor config, since
+    verl PR #4360: a constant can be set; by default the padded width T) and not by the number of
+    sequences, so its loss scales with the batch size; here the scale is the same for any batch size.
+    Without `max_response_length`, T is used.
     """
     length = loss_mask.shape[-1] if max_response_length is None else max_response_length
     seq_losses = masked_sum(loss_mat, loss_mask, dim=-1) / length  # [B]

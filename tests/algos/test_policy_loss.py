@@ -203,6 +203,11 @@ def test_dr_grpo_normalizer_is_the_configured_length_not_the_padding():
     for mat, mask in ((LOSS_MAT, LOSS_MASK), (wide, wide_mask)):
         close(agg_loss(loss_mat=mat, loss_mask=mask, loss_agg_mode="seq-mean-token-sum-norm",
                        max_response_length=16), (6 / 16 + 4 / 16) / 2)
+    # ...and by the number of responses, unlike verl's batch sum / loss_scale_factor (agg.py): the same
+    # rows twice give the same loss here, where verl's would double.
+    twice = agg_loss(loss_mat=torch.cat([LOSS_MAT, LOSS_MAT]), loss_mask=torch.cat([LOSS_MASK, LOSS_MASK]),
+                     loss_agg_mode="seq-mean-token-sum-norm", max_response_length=16)
+    close(twice, (6 / 16 + 4 / 16) / 2)
 
 
 @pytest.mark.parametrize(("mode", "units"), [("token-mean", 4), ("seq-mean-token-sum", 2),
