@@ -32,21 +32,32 @@ _RUN_IDS = itertools.count()
 # -- the prompts of a step: open_run's plan, the stage context's dataset and sampler -----------------
 
 @pytest.fixture
-def prompts(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """(train dataset, the prompt batch of sampler step 0) of a run opened with the settings: 32 synthetic
+def open_plan(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The plan of a run opened with the settings (flows.plan.open_run, its lease released): 32 synthetic
     rows, 2 prompts x 2 responses unless the settings say otherwise."""
     from flows.plan import open_run
-    from tasks.context import context
 
     monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path / "cache"))  # the synthetic files are written there
 
-    def opened(*settings: str) -> tuple[Any, Batch]:
+    def opened(*settings: str) -> Any:
         cfg = load_config(None, [f"model.path={tiny_model_dir}", f"storage.root={tmp_path / 'runs'}", REWARD,
                                  f"trainer.run_id=p{next(_RUN_IDS)}", "data.train_size=32", "data.val_size=8",
                                  "data.train_batch_size=2", "rollout.n=2", *settings])
         run = open_run(cfg, cfg.trainer.run_id, resume=False)
         run.lease.release()
-        ctx = context(run.plan)
+        return run.plan
+
+    return opened
+
+
+@pytest.fixture
+def prompts(open_plan: Any) -> Any:
+    """(train dataset, the prompt batch of sampler step 0) of a run opened with the settings, as a stage
+    process sees them (tasks.context)."""
+    from tasks.context import context
+
+    def opened(*settings: str) -> tuple[Any, Batch]:
+        ctx = context(open_plan(*settings))
         return ctx.dataset("train"), ctx.prompts_at_step(0)
 
     return opened
@@ -94,6 +105,66 @@ def test_the_training_prompts_follow_the_data_settings(prompts: Any) -> None:
     assert left["row_index"].tolist() == right["row_index"].tolist() == base["row_index"].tolist()
     assert left["input_ids"].shape[1] == right["input_ids"].shape[1] == cut
     assert left["input_ids"][0].tolist() == first[-cut:] and right["input_ids"][0].tolist() == first[:cut]
+
+
+@pytest.mark.effect_of("trainer.stage_timeout_s", "trainer.stage_timeouts", "trainer.stage_retry_delays_s",
+                       "ray.namespace")
+def test_a_stages_engine_calls_and_retries_follow_the_trainer_settings(open_plan: Any,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stage attaches to the run's engine (tasks.context.StageContext.engine) with its calls' timeout,
+    stage by stage, in the run's Ray namespace; its Prefect task retries once per configured delay."""
+    from engine import engine as engines
+    from tasks.context import context
+    from tasks.stages import task_for
+
+    class Attached(Exception):
+        pass
+
+    def attach(**kwargs: Any) -> None:  # WorkerGroup.attach, stopped before it looks for actors
+        raise Attached(kwargs)
+
+    monkeypatch.setattr(engines.WorkerGroup, "attach", attach)
+
+    def attached(plan: Any, stage: str) -> tuple[float, str, str]:
+        with pytest.raises(Attached) as got:
+            context(plan).engine(stage)
+        kwargs = got.value.args[0]
+        return kwargs["timeout_s"], kwargs["timeout_setting"], kwargs["namespace"]
+
+    default = open_plan()
+    assert attached(default, "update_policy") == (1800.0, "trainer.stage_timeout_s (default, scaled with the batch)",
+                                                  "rlflow")
+    plan = open_plan("trainer.stage_timeout_s=900", "trainer.stage_timeouts={update_policy: 20}",
+                     "trainer.stage_retry_delays_s=[0.5]", "ray.namespace=elsewhere")
+    assert attached(plan, "generate_rollouts") == (900.0, "trainer.stage_timeout_s", "elsewhere")
+    assert attached(plan, "update_policy") == (20.0, "trainer.stage_timeouts.update_policy", "elsewhere")
+    stage = plan.stages[0]
+    assert (task_for(stage, default).retries, task_for(stage, default).retry_delay_seconds) == (2, [2.0, 10.0])
+    assert (task_for(stage, plan).retries, task_for(stage, plan).retry_delay_seconds) == (1, [0.5])
+
+
+@pytest.mark.effect_of("ray.address", "ray.namespace")
+def test_rlflow_train_joins_the_configured_ray_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ray.address: `rlflow train` starts no local Ray head and its driver joins that cluster
+    (infra.stack.ensure_stack, then flows.train.connect_ray), in ray.namespace."""
+    import ray
+
+    from flows import train
+    from infra.config import StackConfig
+    from infra.stack import ensure_stack
+
+    joined: list[dict[str, Any]] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: joined.append(kwargs))
+    monkeypatch.setattr(train, "_connected", None)
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(key, raising=False)
+    cfg = load_config(None, ["ray.address=10.1.2.3:6379", "ray.namespace=elsewhere"])
+    # an external Prefect API too: nothing of the local stack is started
+    info = ensure_stack(StackConfig(prefect_api_url="http://127.0.0.1:9/api"), cfg.ray)
+    assert info.ray_address == "10.1.2.3:6379"
+    train.connect_ray(info.ray_address, cfg)
+    assert [(j["address"], j["namespace"]) for j in joined] == [("10.1.2.3:6379", "elsewhere")]
 
 
 # -- the rollout's sampling: generate_batch with the config's rollout section -------------------------

@@ -59,6 +59,9 @@ def test_grpo_three_iterations_on_s3(cli: Cli, tiny_model_dir: Path, s3_server, 
         assert torch.allclose(torch.tensor([row[0] for row in adv]), want, atol=1e-5), i
     assert "val/score/mean" in metrics[2] and "val/score/mean" not in metrics[1]
     assert fs.cat(f"{base}/checkpoints/LATEST").decode().strip().endswith("3")
+    # trainer.save_every=2: steps 2 and 3 (the last) saved, iteration 1 none (keep_last 3 would have kept it)
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{base}/checkpoints") if "/step_" in p) == \
+        ["step_000002", "step_000003"]
     # the committed step's manifest is true of the objects: every file's size and sha256
     manifest = json.loads(fs.cat(f"{base}/checkpoints/step_000002/MANIFEST.json"))
     assert manifest["files"]
