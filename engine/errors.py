@@ -32,3 +32,8 @@ class EngineHungError(EngineDeadError):
 
 class VersionMismatchError(EngineError):
     """A stage expected the engine at one version (iteration) and found another."""
+
+
+class NonFiniteError(EngineError):
+    """A loss, advantage or gradient is NaN or infinite: the iteration fails with its reason (no optimizer
+    step is taken with it, and no retry would compute anything else)."""

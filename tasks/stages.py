@@ -27,13 +27,14 @@ from engine.advantage import data_metrics
 from engine.algos import last_index, update_multiplier
 from engine.batch import Batch, response_lengths
 from engine.config import RewardConfig
-from engine.errors import EngineDeadError, RewardError, VersionMismatchError
+from engine.errors import EngineDeadError, NonFiniteError, RewardError, VersionMismatchError
 from engine.models.tokens import response_texts
 from engine.rewards import score_batch
 from engine.rewards.shaping import overlong_penalty
 from infra.buffers import BufferRef, load_ref, read_buffer, write_buffer
 from infra.errors import ObjectNotFound
 from infra.layout import artifact_key
+from infra.records import parse_metrics
 from tasks.context import RunPlan, StageContext, context
 from tasks.faults import maybe_fail, maybe_kill_rank, maybe_kill_uploader
 from tasks.graph import StageSpec, load_user_stage
@@ -61,10 +62,11 @@ def stage_cache_key(ctx: TaskRunContext, params: dict[str, Any]) -> str:
 
 def retry_unless_engine_gone(task: Any, task_run: Any, state: Any) -> bool:
     """Retry a failed stage, except when the engine is gone or at the wrong version: only the train
-    flow can restart and restore it, so the failure goes up at once."""
+    flow can restart and restore it, so the failure goes up at once; and a non-finite loss, advantage or
+    gradient, which a retry would only compute again."""
     try:
         state.result()
-    except (EngineDeadError, VersionMismatchError):
+    except (EngineDeadError, VersionMismatchError, NonFiniteError):
         return False
     except BaseException:  # noqa: BLE001 - any other failure may be transient
         return True
@@ -630,14 +632,14 @@ def _update(ctx: StageContext, iteration: int, role: str, stage: StageSpec, inpu
     version = engine.versions()[role]
     if version == iteration:
         try:
-            return dict(json.loads(ctx.store.get_bytes(record_key)))
+            return dict(parse_metrics(ctx.store.get_bytes(record_key), ctx.store.url(record_key)))
         except ObjectNotFound:
             return {}
     if version != iteration - 1:
         raise VersionMismatchError(
             f"the {role} of run {ctx.plan.run_id!r} is at version {version}; iteration {iteration} needs "
             f"{iteration - 1} (the train flow reconciles this on its next run)")
-    batch = _inputs(ctx, stage, inputs)
+    batch = update_inputs(ctx, iteration, stage, inputs)
     maybe_kill_rank(ctx, engine, role, iteration)
     start = time.perf_counter()
     if role == "critic":
@@ -649,6 +651,35 @@ def _update(ctx: StageContext, iteration: int, role: str, stage: StageSpec, inpu
     ctx.store.put_bytes(record_key, json.dumps(metrics).encode())
     get_run_logger().info("iteration %d: %s update in %.2f s", iteration, role, time.perf_counter() - start)
     return metrics
+
+
+def update_inputs(ctx: StageContext, iteration: int, stage: StageSpec, inputs: dict[str, StageResult]) -> Batch:
+    """What an update reads (`_inputs`), refused with NonFiniteError when a float column holds NaN or inf
+    where the loss reads it (under response_mask, for the [B, T] columns): advantages, returns, log-probs
+    and values from storage never reach the optimizer unchecked."""
+    batch = _inputs(ctx, stage, inputs)
+    for key in batch.tensor_keys:
+        found = non_finite_row(batch, key)
+        if found is not None:
+            source = next(src for src, columns in stage.sources.items() if key in columns)
+            ref = inputs[source].ref
+            raise NonFiniteError(f"iteration {iteration}: {key} is not finite in row {found} of "
+                                 f"{ref.uri if ref else source}; {stage.name} refuses it")
+    return batch
+
+
+def non_finite_row(batch: Batch, key: str) -> int | None:
+    """The first row where float tensor `key` is NaN or inf (within response_mask when it is [B, T]), or None."""
+    t = batch[key]
+    assert isinstance(t, torch.Tensor)
+    if not t.is_floating_point():
+        return None
+    bad = ~torch.isfinite(t)
+    mask = batch["response_mask"] if "response_mask" in batch and key != "response_mask" else None
+    if isinstance(mask, torch.Tensor) and mask.shape == t.shape:
+        bad &= mask.bool()
+    rows = bad.reshape(len(batch), -1).any(dim=1).nonzero()  # [B, ...] -> [B]
+    return int(rows[0]) if len(rows) else None
 
 
 @graph_stage("update_critic", cache=False)

@@ -6,13 +6,14 @@ import datetime
 import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from engine.errors import VersionMismatchError
+from engine.errors import NonFiniteError, VersionMismatchError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -28,6 +29,9 @@ def traced(fn: F) -> F:
         finally:
             self.spans.append((fn.__name__, start, time.time()))
     return call  # type: ignore[return-value]
+
+
+PARTIAL_UPDATE = -1  # the version of weights that hold part of a failed update
 
 
 class RankWorker:
@@ -104,6 +108,17 @@ class RankWorker:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    @contextmanager
+    def applying_update(self) -> Iterator[None]:
+        """Around an update's optimizer steps. One that stops on a non-finite gradient may have stepped on
+        earlier mini-batches: its weights are then of no iteration (PARTIAL_UPDATE), so every later call
+        that states a version refuses them until the engine restores a checkpoint (flows/train.py)."""
+        try:
+            yield
+        except NonFiniteError:
+            self.version = PARTIAL_UPDATE
+            raise
 
     def check_version(self, expected: int | None) -> None:
         if expected is not None and expected != self.version:

@@ -57,9 +57,10 @@ class CriticWorker(RankWorker):
         gen = torch.Generator().manual_seed(derive_seed(self.spec.seed, iteration, "update_critic", self.rank))
         self.model.train()
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this update's optimizer steps use
-        local = fsdp.train_epochs(batch, model=self.model, optimizer=self.optimizer, cfg=cfg,
-                                  loss_agg_mode=cfg.loss_agg_mode, generator=gen, micro_loss=self._micro_loss,
-                                  grad_norm_key="critic/grad_norm")
+        with self.applying_update():
+            local = fsdp.train_epochs(batch, model=self.model, optimizer=self.optimizer, cfg=cfg,
+                                      loss_agg_mode=cfg.loss_agg_mode, generator=gen, micro_loss=self._micro_loss,
+                                      grad_norm_key="critic/grad_norm")
         self.scheduler.step()
         self.version = iteration
         local["critic/lr"] = torch.tensor(lr)

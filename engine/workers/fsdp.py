@@ -25,6 +25,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from engine import algos
 from engine.batch import Batch, response_lengths
 from engine.config import OptimConfig
+from engine.errors import NonFiniteError
 from engine.state import checkpoint_io
 
 
@@ -284,19 +285,30 @@ def train_epochs(batch: Batch, *, model: nn.Module, optimizer: torch.optim.Optim
     world = dist.get_world_size() if dist.is_initialized() else 1
     mini = max(1, cfg.mini_batch_size // world)  # rows of this rank per optimizer step
     stats: dict[str, list[torch.Tensor]] = {}
-    for _ in range(cfg.ppo_epochs):
-        for minibatch in batch.shuffle(generator).chunks(mini):
+    for epoch in range(cfg.ppo_epochs):
+        for i, minibatch in enumerate(batch.shuffle(generator).chunks(mini)):
             step = accumulate_gradients(minibatch, model=model, cfg=cfg, loss_agg_mode=loss_agg_mode,
                                         micro_loss=micro_loss, after_backward=after_backward,
                                         group_prompts=group_prompts)
             grad_norm = clip_grad_norm(model, cfg.grad_clip)
-            if torch.isfinite(grad_norm):  # a non-finite gradient skips the step instead of poisoning AdamW
-                optimizer.step()
+            # The norm is global (the same on every rank), so every rank stops here together. A non-finite
+            # loss gives a non-finite gradient: both are caught before the step that would spread them.
+            if not torch.isfinite(grad_norm):
+                optimizer.zero_grad(set_to_none=True)
+                raise NonFiniteError(f"{grad_norm_key} is {float(grad_norm)} in epoch {epoch}, mini-batch {i} (loss "
+                                     f"{_loss_text(step)}): no optimizer step was taken with it")
+            optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step[grad_norm_key] = grad_norm.detach()
             for key, value in step.items():
                 stats.setdefault(key, []).append(value)
     return {k: torch.stack(v).mean() for k, v in stats.items()}
+
+
+def _loss_text(step: dict[str, torch.Tensor]) -> str:
+    """This rank's loss values of a mini-batch, for the error that names a non-finite gradient."""
+    losses = {k: float(v) for k, v in step.items() if k.endswith("loss")}
+    return ", ".join(f"{k} {v:.4g}" for k, v in sorted(losses.items())) or "not recorded"
 
 
 def accumulate_gradients(minibatch: Batch, *, model: nn.Module, cfg: OptimConfig, loss_agg_mode: str,

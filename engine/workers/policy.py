@@ -240,11 +240,12 @@ class PolicyWorker(RankWorker):
         self.actor.train()
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this update's optimizer steps use
         self._is_weight_max = 0.0
-        local = fsdp.train_epochs(batch, model=self.actor, optimizer=self.optimizer, cfg=self.spec.actor,
-                                  loss_agg_mode=self.spec.actor.agg_mode, generator=gen,
-                                  micro_loss=self._micro_loss, grad_norm_key="actor/grad_norm",
-                                  after_backward=self._maybe_exit,
-                                  group_prompts=self.spec.actor.forward_layout == "shared")
+        with self.applying_update():
+            local = fsdp.train_epochs(batch, model=self.actor, optimizer=self.optimizer, cfg=self.spec.actor,
+                                      loss_agg_mode=self.spec.actor.agg_mode, generator=gen,
+                                      micro_loss=self._micro_loss, grad_norm_key="actor/grad_norm",
+                                      after_backward=self._maybe_exit,
+                                      group_prompts=self.spec.actor.forward_layout == "shared")
         self.scheduler.step()
         self.version = iteration
         local["actor/lr"] = torch.tensor(lr)
