@@ -183,13 +183,18 @@ def _fresh_or_resumed(config_path: str | None, overrides: list[str], run_id: str
         if finished is not None and done >= cfg.trainer.total_iterations:
             logger.warning("run %s finished all %d iterations: %s", run_id, done, finished)
             return {"run_id": run_id, "finished_iteration": done, "skipped": True}
-        model = _parent_model(runs.read_run_info().get("parent"), cfg)
+        info, unsigned = runs.read_signed_run_info()
+        if unsigned is not None and info.get("parent"):
+            raise ConfigError(f"run {run_id}: its run.json names a parent (a checkpoint and a model folder), and "
+                              f"run.json is not taken because {unsigned} (infra/record_key.py): resume it with its "
+                              "record key in $RLFLOW_RECORD_KEY, or start a new run")
+        model = _parent_model(info.get("parent"), cfg)
         connect_ray(ray_address(cfg), cfg)
         logger.info("resuming run %s after iteration %d", run_id, done)
         return train(config_path, [*overrides, *model], resume=run_id, run_name=run_id)
     parent, model = None, []
     if base is not None and base_store is not None:
-        model_dir = base_model_dir(base, base_store, cfg.model.trust_remote_code)
+        model_dir = base_model_dir(base, base_store, cfg.model.trust_remote_code, cfg)
         parent = {"run_id": base.run_id, "step": base.step, "checkpoint": base.url, "model_path": str(model_dir)}
         model = [f"model.path={model_dir}"]
         logger.info("new run %s from checkpoint step %d of %s", run_id, base.step, base.run_id)
@@ -222,7 +227,7 @@ def _parent_model(parent: dict[str, Any] | None, cfg: RLConfig) -> list[str]:
     folder = Path(parent["model_path"])
     if not (folder / "config.json").is_file():  # another machine, or a cleared cache: make it again
         base, store = resolve_base(parent["checkpoint"], cfg)
-        folder = base_model_dir(base, store, cfg.model.trust_remote_code)
+        folder = base_model_dir(base, store, cfg.model.trust_remote_code, cfg)
     return [f"model.path={folder}"]
 
 
@@ -259,10 +264,12 @@ def resolve_base(text: str, cfg: RLConfig) -> tuple[BaseCheckpoint, ObjectStore]
     return BaseCheckpoint(run_id, step, ckpts.step_url(step)), store
 
 
-def base_model_dir(base: BaseCheckpoint, store: ObjectStore, trust_remote_code: bool = False) -> Path:
+def base_model_dir(base: BaseCheckpoint, store: ObjectStore, trust_remote_code: bool = False,
+                   user: RLConfig | None = None) -> Path:
     """The policy weights of `base` as a Hugging Face model folder (made once, cached): the new run's
     model, so its actor, rollout copy and reference all start there; its optimizer starts afresh.
-    `trust_remote_code`: the launching config's (never the base run's run.json)."""
+    `trust_remote_code`: the launching config's (never the base run's run.json). `user`: the launching
+    config, which must give the base run's model where its run.json is not signed with the user's key."""
     from engine.models.loading import cache_dir
 
     digest = hashlib.sha256(base.url.encode()).hexdigest()[:10]
@@ -271,7 +278,7 @@ def base_model_dir(base: BaseCheckpoint, store: ObjectStore, trust_remote_code: 
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".making-") as tmp:
-        _export_policy(base, store, Path(tmp), trust_remote_code)
+        _export_policy(base, store, Path(tmp), trust_remote_code, user)
         try:
             os.replace(Path(tmp) / "hf", out)  # atomic: a folder with config.json is complete
         except OSError:
@@ -280,7 +287,8 @@ def base_model_dir(base: BaseCheckpoint, store: ObjectStore, trust_remote_code: 
     return out
 
 
-def _export_policy(base: BaseCheckpoint, store: ObjectStore, tmp: Path, trust_remote_code: bool) -> None:
+def _export_policy(base: BaseCheckpoint, store: ObjectStore, tmp: Path, trust_remote_code: bool,
+                   user: RLConfig | None) -> None:
     """Verify and fetch the step, then merge it into a model folder in a process of its own (merge_policy)
     that computes like the parent's ranks: their CPU kernels and torch threads. The parent's merged
     export of the step was computed there, and the new run starts from exactly those weights."""
@@ -288,7 +296,10 @@ def _export_policy(base: BaseCheckpoint, store: ObjectStore, tmp: Path, trust_re
     from engine.state.checkpoint_io import CheckpointCorruptError
     from flows.plan import rank_threads
 
-    config = RunStore(store, base.run_id).read_run_info()["config"]
+    info, unsigned = RunStore(store, base.run_id).read_signed_run_info()
+    config = info["config"]
+    if unsigned is not None:  # its model is the one the user names, or none
+        _check_base_model(base, config, user, unsigned)
     parent = build_config(config)
     if parent.model.trust_remote_code != trust_remote_code:
         raise ConfigError(f"base checkpoint {base.url}: its run's run.json has model.trust_remote_code="
@@ -299,6 +310,24 @@ def _export_policy(base: BaseCheckpoint, store: ObjectStore, tmp: Path, trust_re
     run_module_pinned("flows.deploy", [str(tmp), str(rank_threads(parent)), str(trust_remote_code)],
                       kernel_env(parent.placement.cpu_kernels), f"making the model of base checkpoint {base.url}",
                       exit_errors={CORRUPT_EXIT: CheckpointCorruptError})
+
+
+# What decides the model a base checkpoint's weights are loaded into (a folder read from this machine).
+BASE_MODEL_KEYS = ("model.path", "model.tokenizer_path", "model.tiny_seed", "model.dtype", "data.task")
+
+
+def _check_base_model(base: BaseCheckpoint, config: dict[str, Any], user: RLConfig | None, unsigned: str) -> None:
+    """ConfigError unless the base run's unsigned run.json names the model the user's config names: a
+    bucket writer must not choose a folder of this machine to be read and exported into storage."""
+    mine = user.model_dump(mode="json") if user is not None else {}
+    for key in BASE_MODEL_KEYS:
+        section, name = key.split(".")
+        stored, given = config.get(section, {}).get(name), mine.get(section, {}).get(name)
+        if user is None or stored != given:
+            raise ConfigError(f"base checkpoint {base.url}: its run's run.json has {key}={stored!r} where your config "
+                              f"gives {given!r}, and its settings are not taken because {unsigned} "
+                              "(infra/record_key.py): give that model yourself, or the run's record key in "
+                              "$RLFLOW_RECORD_KEY")
 
 
 CORRUPT_EXIT = 3  # merge_policy's exit code when the safe reader refused the checkpoint

@@ -76,27 +76,39 @@ def new_run_id(cfg: RLConfig) -> str:
 # line (or a deployment's parameters), never a stored record (whoever can write the bucket writes run.json).
 CODE_SETTINGS = ("reward.function", "reward.cost_function", "algorithm.extra_stages", "rollout.multi_turn.tools",
                  "rollout.env", "rollout.agent", "model.trust_remote_code", "reward.model.trust_remote_code", "trainer.log_dir", "trainer.loggers")
+# Where the run's storage is: where the user found the run, never what run.json says (on S3 an endpoint).
+USER_STORAGE = ("root", "endpoint_url", "region", "shared_fs")
 
 
-def resume_config(store: ObjectStore, run_id: str, cfg: RLConfig | None, overrides: list[str]) -> RLConfig:
+def resume_config(store: ObjectStore, run_id: str, cfg: RLConfig | None, overrides: list[str],
+                  storage: StorageConfig | None = None) -> RLConfig:
     """The config of a resumed run: its run.json snapshot with `overrides`, or `cfg` if it keeps the model.
-    The CODE_SETTINGS are the user's (CONFIG, the overrides, else the default config's): one that run.json
-    gives otherwise is refused before anything runs."""
+
+    What the user gives is CONFIG, the overrides, else the default config. The CODE_SETTINGS are always the
+    user's: one that run.json gives otherwise is refused before anything runs. Every other stored setting is
+    taken from run.json only when the record is signed with this user's record key (infra/record_key.py);
+    from an unsigned record, a setting that differs from what the user gives is refused (docs/security.md).
+    The storage's place (USER_STORAGE) is `storage`, the user's, either way."""
     from flows.config import parse_override, set_dotted
 
     runs = RunStore(store, check_run_id(run_id))
     if not runs.exists():
         raise ConfigError(f"--resume {run_id}: no run {run_id!r} under {store.url()}")
-    saved = runs.read_run_info()["config"]
+    info, unsigned = runs.read_signed_run_info()
+    saved = info["config"]
     given = {parse_override(item)[0] for item in overrides}
     users = (cfg or load_config(None, [])).model_dump(mode="json")  # what the user gives where no override
     # Before the stored config is validated: a tampered value is refused as such, whatever else it breaks.
     _check_code_settings(run_id, saved, users, [key for key in CODE_SETTINGS if key not in given])
+    if unsigned is not None:
+        _check_unsigned(run_id, saved, users, given, unsigned)
     if cfg is None:
         raw = json.loads(json.dumps(saved))  # a deep copy: the overrides must not edit `saved` itself
         for item in overrides:
             key, value = parse_override(item)
             set_dotted(raw, key, value)
+        if storage is not None:  # where the user found the run, never where run.json says
+            raw["storage"].update(storage.model_dump(mode="json", include=set(USER_STORAGE)))
         cfg = build_config(raw)
     ours = cfg.model_dump(mode="json")
     _check_code_settings(run_id, saved, ours, [key for key in CODE_SETTINGS if key in given])
@@ -117,6 +129,42 @@ def _check_code_settings(run_id: str, saved: dict[str, Any], mine: dict[str, Any
             raise ConfigError(f"--resume {run_id}: run.json has {key}={stored!r} where your config and command line "
                               f"give {given!r}; what a run executes is never taken from storage: give {key} "
                               "yourself to resume with it")
+
+
+def _check_unsigned(run_id: str, saved: dict[str, Any], mine: dict[str, Any], given: set[str], why: str) -> None:
+    """ConfigError naming the first setting an unsigned run.json gives otherwise than the user (`mine`, where
+    no override in `given` sets it): such a record decides nothing. Left out: the run id (the run's own), the
+    storage's place (the user's always), overridden settings (the override is applied over the record) and
+    settings run.json does not hold (written by an older rlflow: the user's apply)."""
+    for key, stored in _leaves(saved):
+        if key == "trainer.run_id" or key.removeprefix("storage.") in USER_STORAGE:
+            continue
+        if any(key == g or key.startswith(g + ".") for g in given):
+            continue
+        yours = _dotted(mine, key)
+        if yours is None and not _has(mine, key):
+            continue
+        if _canonical(stored) != yours:
+            raise ConfigError(f"--resume {run_id}: run.json has {key}={_canonical(stored)!r} where your config and "
+                              f"command line give {yours!r}, and its settings are not taken because {why} (it "
+                              "was not written with your record key, infra/record_key.py): resume with the config "
+                              "and overrides the run began with, or with its key in $RLFLOW_RECORD_KEY")
+
+
+def _leaves(tree: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _has(tree: Any, key: str) -> bool:
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return False
+        tree = tree[part]
+    return True
 
 
 def _canonical(value: Any) -> Any:
@@ -147,7 +195,7 @@ def resolve_config(config_path: str | None, overrides: list[str], resume: str | 
     probe = base or load_config(None, [o for o in overrides if o.startswith("storage.")])
     store = probe_store(probe.storage)
     with _reachable(store):
-        return resume_config(store, resume, base, overrides), resume
+        return resume_config(store, resume, base, overrides, probe.storage), resume
 
 
 def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:

@@ -21,6 +21,9 @@ import pytest
 # The tests' own Ray heads run without token auth; Ray reads this when it is imported, so set it first.
 # (The local stack that the pipeline tests start uses tokens; its CLI subprocesses get RAY_AUTH_MODE=token.)
 os.environ["RAY_AUTH_MODE"] = "disabled"
+# One record key (infra/record_key.py) for every process of the suite, whatever state folder it uses: a run
+# written by one test's process is resumed by another's. tests/infra/test_record_key.py tests the key file.
+os.environ["RLFLOW_RECORD_KEY"] = "5eed" * 16
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -398,6 +398,23 @@ def test_a_tampered_run_json_chooses_no_code(key: str, offline: Offline, existin
     assert snapshot(folder) == before
 
 
+def test_a_tampered_run_json_confines_nothing(offline: Offline, existing_run: tuple[str, Path], tmp_path: Path) -> None:
+    """How the run's code is confined is not run.json's to say either: with `reward.sandbox.isolation: none`
+    written into it, c4b7975 resumed with one warning and ran the episodes unconfined. The edit breaks the
+    record's signature (infra/record_key.py), so none of its settings is taken and the resume is refused."""
+    run_id, folder = existing_run
+    info = json.loads((folder / "run.json").read_text())
+    info["config"]["reward"]["sandbox"]["isolation"] = "none"
+    (folder / "run.json").write_text(json.dumps(info))
+    before = snapshot(folder)
+    error, _ = offline.train(f"model.path={offline.model}", f"data.train_files=[{tmp_path / 'train.jsonl'}]",
+                             resume=run_id)
+    assert (f"--resume {run_id}: run.json has reward.sandbox.isolation='none' where your config and "
+                            "command line give 'bwrap', and its settings are not taken because its signature does not "
+                            "match its contents") in error, error
+    assert snapshot(folder) == before
+
+
 def test_resume_with_other_base_weights_is_refused(offline: Offline, tmp_path: Path) -> None:
     """The same model.path with other bytes (a LoRA run's adapters sit on those weights): refused,
     naming both hashes, the run left as it was."""
