@@ -688,11 +688,9 @@ def credentials_file(key_id: str, secret: str, token: str | None) -> Path:
     name is a hash and this process's id, so the workers' environment (which Ray logs) holds no
     credential. Removed when this process exits (its Ray job's workers end with it), and by `rlflow down`
     (a process that was killed)."""
-    from infra.stack import resolve_home
+    from infra.stack import private_state_dir, private_temp_dir, resolve_home
 
-    folder = resolve_home() / "credentials"
-    folder.mkdir(parents=True, exist_ok=True)
-    folder.chmod(0o700)
+    folder = private_temp_dir(private_state_dir(resolve_home()) / "credentials", "the credentials folder")
     body = f"[{CREDENTIALS_PROFILE}]\naws_access_key_id = {key_id}\naws_secret_access_key = {secret}\n"
     if token:
         body += f"aws_session_token = {token}\n"

@@ -39,7 +39,8 @@ Why it is built this way (measured on the 2-core dev machine with Prefect 3.9 an
   the first driver is whichever command came first (often `rlflow status`, a check or an engine command
   that runs no task), and every run is a driver of its own: in the test suite 76 such workers started
   and never ran anything (158 CPU seconds). Workers start when a task or an actor needs one.
-- Ray's temp dir is /tmp/rlflow-ray-<hash of the state folder>: its socket paths must fit in 107 bytes.
+- Ray's temp dir is /tmp/rlflow-ray-<hash of the state folder>/ray: its socket paths must fit in 107 bytes; Ray makes
+  it 0777, so the folder above it is ours, 0700.
 - The Prefect API requires a credential: Prefect's API auth string (PREFECT_SERVER_API_AUTH_STRING), random,
   kept in stack/prefect_auth; every request but /api/health and /api/ready needs it (HTTP Basic, and the
   first message of a websocket). It reaches the flow process through its environment (connect_env) and the
@@ -107,8 +108,10 @@ _PREFECT_DROP = (
     "PREFECT_PROFILE",
     "PREFECT_SERVER_DATABASE_",
     "PREFECT_API_DATABASE_",
+    "RLFLOW_RECORD_KEY",  # the services never sign a record: the key stays out of their processes
 )
 _RAY_DROP = (
+    "RLFLOW_RECORD_KEY",
     "RAY_ADDRESS",
     "RAY_AUTH_MODE",
     "RAY_AUTH_TOKEN",
@@ -236,28 +239,43 @@ def read_prefect_auth(path: str | Path) -> str:
 
 
 def ray_temp_dir(home: Path) -> Path:
-    """Short and fixed per state folder: Ray's socket paths below it must fit in 107 bytes."""
+    """Ray's temp folder: short and fixed per state folder (Ray's socket paths below it must fit in 107
+    bytes), inside a folder of ours made 0700 (`private_temp_dir(ray_temp_dir(home).parent)`). Ray makes
+    the folder it is given, and each it makes below, world-writable (ray._common.utils.try_to_create_directory
+    chmods it 0777 at every node start): the private folder above is what keeps other users out."""
     digest = hashlib.sha256(str(home).encode()).hexdigest()[:10]
-    return Path("/tmp") / f"rlflow-ray-{digest}"
+    return Path("/tmp") / f"rlflow-ray-{digest}" / "ray"
 
 
-def private_temp_dir(path: Path) -> Path:
+def private_temp_dir(path: Path, what: str = "Ray's temp folder", *, parents: bool = False) -> Path:
     """`path` made with mode 0700, or checked when it is there: a folder (not a link) of this user, no one
     else's access (tightened when it is ours and open). Ray keeps its sockets, session and logs there,
-    under /tmp, where anyone can make the folder first."""
+    under /tmp, where anyone can make the folder first; the state folder holds the stack's secrets."""
+    if parents:
+        path.parent.mkdir(parents=True, exist_ok=True)
     try:
         path.mkdir(mode=0o700)
     except FileExistsError:
         pass
     info = path.lstat()
     if not stat.S_ISDIR(info.st_mode):
-        raise InfraError(f"Ray's temp folder {path} is not a folder (a link or a file): remove it, then start again")
+        raise InfraError(f"{what} {path} is not a folder (a link or a file): remove it, then start again")
     if info.st_uid != os.getuid():
-        raise InfraError(f"Ray's temp folder {path} belongs to uid {info.st_uid}, not to you (uid {os.getuid()}): "
+        raise InfraError(f"{what} {path} belongs to uid {info.st_uid}, not to you (uid {os.getuid()}): "
                          "someone else made it first; remove it (it is never shared), then start again")
     if info.st_mode & 0o077:
         path.chmod(0o700)
     return path
+
+
+def private_state_dir(home: Path) -> Path:
+    """The state folder and its `stack/` and `prefect/` folders, each 0700 (tightened when ours and open):
+    they hold the Ray token, the Prefect API's auth string, the record key and Prefect's database (runs'
+    parameters and logs). Their files are made 0600 (the services run with umask 077)."""
+    private_temp_dir(home, "the state folder", parents=True)
+    for name in ("stack", "prefect"):
+        private_temp_dir(home / name, "the state folder's")
+    return home
 
 
 def default_num_cpus() -> int:
@@ -383,11 +401,11 @@ class LocalStack:
         log = self.home / "stack" / f"{name}.log"
         _rotate(log)
         offset = log.stat().st_size if log.exists() else 0
-        with open(log, "ab") as out:
+        with open(log, "ab", opener=lambda name, flags: os.open(name, flags, 0o600)) as out:
             out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
             out.flush()
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                    cwd=self.home, start_new_session=True)  # fmt: skip
+                                    cwd=self.home, start_new_session=True, umask=0o077)  # fmt: skip
         _SPAWNED[proc.pid] = proc
         record = ProcessRecord(pid=proc.pid, start_ticks=_start_ticks(proc.pid), port=port, log=str(log),
                                log_offset=offset, started_at=time.time())  # fmt: skip
@@ -428,7 +446,8 @@ class LocalStack:
         return cmd, env
 
     def _ray_command(self, port: int) -> tuple[list[str], dict[str, str]]:
-        temp = private_temp_dir(ray_temp_dir(self.home))
+        private_temp_dir(ray_temp_dir(self.home).parent)
+        temp = ray_temp_dir(self.home)
         auth = self.config.ray_auth
         env = _env_without(_RAY_DROP)
         env.update(RAY_AUTH_MODE=auth, RAY_USAGE_STATS_ENABLED="0", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
@@ -448,7 +467,8 @@ class LocalStack:
         return cmd, env
 
     def _node_command(self, address: str) -> tuple[list[str], dict[str, str]]:
-        temp = private_temp_dir(ray_temp_dir(self.home))
+        private_temp_dir(ray_temp_dir(self.home).parent)
+        temp = ray_temp_dir(self.home)
         env = _env_without(_RAY_DROP)
         token = self.config.join_token_file or os.environ.get("RAY_AUTH_TOKEN_PATH")
         env.update(RAY_AUTH_MODE="token" if token else "disabled", RAY_USAGE_STATS_ENABLED="0", DO_NOT_TRACK="1",
@@ -518,7 +538,7 @@ class LocalStack:
     @contextlib.contextmanager
     def _lock(self) -> Iterator[None]:
         """One `up` or `down` at a time per state folder (two `rlflow train` starting at once)."""
-        (self.home / "stack").mkdir(parents=True, exist_ok=True)
+        private_state_dir(self.home)
         with open(self.home / "stack" / "lock", "w") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
             try:

@@ -41,6 +41,7 @@ import logging
 import os
 import random
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -176,9 +177,25 @@ class ObjectStore:
         return url[len(root):].replace(os.sep, "/")
 
     def _path(self, key: str) -> str:
-        """The backend path of `key` (s3: bucket/prefix/key without the scheme)."""
+        """The backend path of `key` (s3: bucket/prefix/key without the scheme). Locally, no folder or file
+        below the root may be a link: whoever can write the root could otherwise send a write (or a read)
+        anywhere this user can reach (a link named `metrics` or `export`). The root itself is the user's."""
         url = self.url(key)
-        return url.split("://", 1)[1] if self.protocol == "s3" else url
+        if self.protocol == "s3":
+            return url.split("://", 1)[1]
+        current = self.root
+        for part in _clean_key(key).split("/") if key else []:
+            current = os.path.join(current, part)
+            try:
+                mode = os.lstat(current).st_mode
+            except FileNotFoundError:
+                break  # the rest is made by the write, as folders
+            except NotADirectoryError:
+                break
+            if stat.S_ISLNK(mode):
+                raise StoreError(f"{current} is a link inside the storage root {self.root}: rlflow does not "
+                                 "follow links there (a write through it would land outside the root); remove it")
+        return url
 
     def storage_options(self) -> dict[str, Any]:
         """fsspec keyword arguments that open this root (for torch.distributed.checkpoint's

@@ -247,6 +247,7 @@ def test_ray_command_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 @pytest.fixture
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     home = tmp_path_factory.mktemp("stack")
+    home.chmod(0o755)  # as `mkdir` leaves it: `up` makes it private
     config = StackConfig(home=str(home), prefect_port=quiet_port(), ray_port=quiet_port())
     stack = LocalStack(config)
     try:
@@ -298,6 +299,12 @@ def test_up_flow_down(
     assert result["resources"] == {STAGE_RESOURCE: 1.0}  # num_cpus=0: no CPU taken
     assert result["flow_state"] == result["server_state"] == "COMPLETED"
     assert result["actor_pid"] == result["actor_pid_before"] == result["actor_pid_after"]
+    # After a driver connected and a flow ran: on c4b7975 the state folder was 0755, prefect.db 0644 and Ray's
+    # temp folder 0777 (Ray makes the folder it is given world-writable; now the folder above it is ours).
+    for folder in (stack.home, stack.home / "stack", stack.home / "prefect", ray_temp_dir(stack.home).parent):
+        assert (folder.stat().st_mode & 0o777, folder.lstat().st_uid) == (0o700, os.getuid()), folder
+    for name in ("prefect/prefect.db", "stack/prefect.log", "stack/ray.log", "stack/prefect_auth", "stack/ray_auth_token"):
+        assert (stack.home / name).stat().st_mode & 0o777 == 0o600, name
 
     leaders = [pid for pid in pids if pid is not None]
     lines = stack.down()
