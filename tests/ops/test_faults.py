@@ -149,11 +149,15 @@ def test_flow_process_killed_then_resumed_from_storage_past_a_corrupted_shard(
     """The flow process is killed after iteration 3's rollouts, its engine stopped and a shard of the last
     committed checkpoint (step 2) corrupted: another process resumes from storage alone, warns naming the
     bad file, restores step 1 and replays iteration 2's updates from its buffers, and ends like the
-    uninterrupted run with every complete buffer kept (none rewritten). The killed process's flow run and
+    uninterrupted run with every complete buffer kept (none rewritten), Prefect's result records of the run
+    deleted first: iteration 3's finished rollout is reused from storage by the stage itself
+    (tasks/stages._reuse; with it returning None the rollout is regenerated and this test fails on its
+    rewritten buffer, seen on this tree). The killed process's flow run and
     its iteration subflow, left "Running" in the UI, are marked Crashed by the resumed run, naming it.
     (One run since this round, two before: a killed flow resumed on its still-live engine is
     tests/pipeline/test_reward_model.py's rm-kill, attached to the live engine.)"""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.settings import get_current_settings
 
     from tests.ops.conftest import subflow_runs
 
@@ -167,6 +171,14 @@ def test_flow_process_killed_then_resumed_from_storage_past_a_corrupted_shard(
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
+    # Prefect's result records of the run gone too (another machine, a cleared PREFECT_HOME): iteration 3's
+    # finished rollout then comes back through the stage's own reuse of its stored buffer (tasks/stages._reuse),
+    # not as Prefect's Cached; the buffers' unchanged mtimes below show that its body did not run.
+    results = Path(get_current_settings().results.local_storage_path)
+    records = list(results.glob("corrupt-*"))
+    assert any("-3-generate_rollouts-" in p.name for p in records), sorted(p.name for p in records)[:20]
+    for record in records:
+        record.unlink()
     resumed = warm_cli("train", "--resume", "corrupt", f"storage.root={tmp_path}", REWARD)  # not the killed process
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     logs = resumed.stdout + resumed.stderr
