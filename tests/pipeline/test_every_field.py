@@ -363,7 +363,7 @@ def _definitions(path: Path) -> dict[str, ast.AST]:
 def _reached(test: ast.FunctionDef, definitions: dict[str, ast.AST]) -> list[ast.AST]:
     """The test and, transitively, the definitions it names: the fixtures it takes, the helpers it calls,
     the constants it reads."""
-    seen, todo, out = {test.name}, [test], []
+    seen, todo, out = {test.name}, list[ast.AST]([test]), list[ast.AST]()
     while todo:
         node = todo.pop()
         out.append(node)
@@ -448,7 +448,8 @@ def test_sets_and_asserts() -> None:
 SETTINGS = ["rollout.top_k=3"]
 '''
     tests = {n.name: n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)}
-    definitions = {n.targets[0].id: n for n in ast.parse(source).body if isinstance(n, ast.Assign)}
+    definitions: dict[str, ast.AST] = {ast.unparse(n.targets[0]): n for n in ast.parse(source).body
+                                       if isinstance(n, ast.Assign)}
     mentions, marked = tests["test_mentions"], tests["test_sets_and_asserts"]
     assert not effect_markers(mentions) and not _asserts(mentions, definitions)
     assert not _sets("rollout.top_k", _reached(mentions, definitions))

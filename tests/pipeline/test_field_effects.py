@@ -43,7 +43,7 @@ def open_plan(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPa
         cfg = load_config(None, [f"model.path={tiny_model_dir}", f"storage.root={tmp_path / 'runs'}", REWARD,
                                  f"trainer.run_id=p{next(_RUN_IDS)}", "data.train_size=32", "data.val_size=8",
                                  "data.train_batch_size=2", "rollout.n=2", *settings])
-        run = open_run(cfg, cfg.trainer.run_id, resume=False)
+        run = open_run(cfg, str(cfg.trainer.run_id), resume=False)
         run.lease.release()
         return run.plan
 
