@@ -31,8 +31,9 @@ import shutil
 import string
 import sys
 import time
+import warnings
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,8 @@ class TinyReport:
     build_seconds: float
     num_parameters: int
     torch_version: str
+    # sha256 of every other file of the folder, by name: what a cached build is checked against on each use
+    files_sha256: dict[str, str] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -453,6 +456,7 @@ def _build_into(directory: Path, task: str, seed: int, steps: int, shape: TinySh
         build_seconds=round(time.perf_counter() - started, 2),
         num_parameters=sum(p.numel() for p in model.parameters()),
         torch_version=torch.__version__,
+        files_sha256=folder_hashes(directory),
     )
     (directory / REPORT_FILE).write_text(json.dumps(asdict(report), indent=2) + "\n")
     return report
@@ -465,6 +469,30 @@ def portable_tokenizer_class(directory: Path) -> None:
     config = json.loads(path.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def folder_hashes(directory: Path) -> dict[str, str]:
+    """sha256 of every file of a built folder but its report, by name (about 3 MB: milliseconds)."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())
+            if p.is_file() and p.name != REPORT_FILE}
+
+
+def altered(directory: Path) -> str | None:
+    """None when the build in `directory` holds exactly the files its report records, byte for byte; else
+    what differs. Sizes and times prove nothing: a file swapped for one of the same size and mtime is found."""
+    try:
+        recorded = json.loads((directory / REPORT_FILE).read_text()).get("files_sha256")
+    except (OSError, ValueError, AttributeError, RecursionError) as err:
+        return f"its {REPORT_FILE} is unreadable ({type(err).__name__})"
+    if not isinstance(recorded, dict) or not recorded:
+        return f"its {REPORT_FILE} records no file hashes"
+    found = folder_hashes(directory)
+    for name in sorted(set(recorded) | set(found)):
+        if recorded.get(name) != found.get(name):
+            what = "is missing" if name not in found else "was not written by the build" if name not in recorded \
+                else "is not the file the build wrote"
+            return f"{name} {what}"
+    return None
 
 
 def read_report(model_dir: str | Path) -> TinyReport:
@@ -490,13 +518,16 @@ def cached_tiny(task: str, seed: int, kernels: dict[str, str] | None = None) -> 
     a crashed build from ever looking complete.
     """
     path = tiny_cache_path(task, seed, kernels)
-    if (path / REPORT_FILE).is_file():
+    if (path / REPORT_FILE).is_file() and altered(path) is None:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / f".{path.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if (path / REPORT_FILE).is_file():  # another process built it while we waited
-            return path
+        if (path / REPORT_FILE).is_file():  # built (by another process while we waited), but is it intact?
+            why = altered(path)
+            if why is None:
+                return path
+            warnings.warn(f"the cached tiny model {path} is not its build ({why}): building it again", stacklevel=2)
         # Holding the lock, anything half-built here is from a builder that died: clear it away.
         for junk in [path, *path.parent.glob(f".{path.name}.tmp-*")]:
             shutil.rmtree(junk, ignore_errors=True)

@@ -136,8 +136,8 @@ _IDENTITY_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.index.json", "c
 def model_identity(path: str) -> dict[str, Any]:
     """{"path", "sha256"}: the content hash of a model folder's weight files and config.json (names and
     bytes, in name order), which a LoRA run's adapters (and any run's reference model) depend on. A hub
-    id is hashed in the local snapshot the workers load. Hashes are cached by the files' sizes and mtimes,
-    so a resume of a large model does not read it again."""
+    id is hashed in the local snapshot the workers load. Hashes are cached by the files' sizes, mtimes,
+    ctimes and inodes, so a resume of a large model does not read it again."""
     import json
 
     folder = Path(path).expanduser()
@@ -146,7 +146,9 @@ def model_identity(path: str) -> dict[str, Any]:
 
         folder = Path(snapshot_download(path, allow_patterns=list(_IDENTITY_FILES), local_files_only=hub_offline()))
     files = sorted({f for pattern in _IDENTITY_FILES for f in folder.glob(pattern) if f.is_file()})
-    stamp = json.dumps([[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files])
+    # ctime and inode too: a file swapped for one of the same size and mtime (utime sets an mtime, never a
+    # ctime) is hashed again.
+    stamp = json.dumps([[f.name, (st := f.stat()).st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino] for f in files])
     cache = cache_dir() / "model-hashes"
     key = hashlib.sha256(f"{folder.resolve()}\n{stamp}".encode()).hexdigest()
     cached = cache / key

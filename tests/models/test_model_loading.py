@@ -23,6 +23,7 @@ from engine.models.loading import (
     load_model,
     load_model_and_tokenizer,
     load_tokenizer,
+    model_identity,
     prepare_tokenizer,
 )
 from engine.models.tokens import decode_responses, encode_prompts, prompt_lengths, prompt_text
@@ -146,6 +147,36 @@ def test_tiny_is_built_once_and_cached(tmp_path: Path, monkeypatch: pytest.Monke
     assert tiny.read_report(first).task == "sort"
     leftovers = [p.name for p in (tmp_path / "cache" / "models").iterdir() if ".tmp-" in p.name]
     assert leftovers == []
+
+
+def test_a_swapped_cache_file_of_the_same_size_and_mtime_is_found(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny model's cache and the base-model hash cache check contents, not sizes and times (issue 47):
+    a weights file swapped for one of the same size and mtime is rebuilt, and its identity hashed again."""
+    monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path / "cache"))
+    real_build, builds = tiny.build_tiny, []
+
+    def quick_build(out_dir: Path, task: str, seed: int, steps: int | None = None) -> tiny.TinyReport:
+        builds.append(out_dir)
+        return real_build(out_dir, task, seed, steps=2)
+
+    monkeypatch.setattr(tiny, "build_tiny", quick_build)
+    cfg = ModelConfig(path="tiny", tiny_seed=3)
+    path = Path(resolve_model_path(cfg, task="sort"))
+    weights = path / "model.safetensors"
+    original, stat = weights.read_bytes(), weights.stat()
+    identity = model_identity(str(path))
+    swapped = bytearray(original)
+    swapped[-8] ^= 0xFF  # a weight's bytes (the header is at the start)
+    weights.write_bytes(bytes(swapped))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (weights.stat().st_size, weights.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+
+    assert model_identity(str(path))["sha256"] != identity["sha256"]
+    with pytest.warns(UserWarning, match=r"model.safetensors is not the file the build wrote\): building it again"):
+        assert Path(resolve_model_path(cfg, task="sort")) == path
+    assert len(builds) == 2 and weights.read_bytes() == original
+    assert model_identity(str(path)) == identity
 
 
 def test_an_edited_builder_never_reuses_a_cached_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
