@@ -112,12 +112,11 @@ def resume_config(store: ObjectStore, run_id: str, cfg: RLConfig | None, overrid
         cfg = build_config(raw)
     ours = cfg.model_dump(mode="json")
     _check_code_settings(run_id, saved, ours, [key for key in CODE_SETTINGS if key in given])
-    stored_model = saved.get("model", {})  # a dict where present (infra.records.RunInfoRecord)
-    changed = [k for k in ("path", "tokenizer_path", "dtype", "tiny_seed") if stored_model.get(k) !=
+    changed = [k for k in ("path", "tokenizer_path", "dtype", "tiny_seed") if saved["model"].get(k) !=
                cfg.model.model_dump(mode="json").get(k)]
     if changed:
         key = f"model.{changed[0]}"
-        raise ConfigError(f"--resume {run_id}: the config changes {key} from {stored_model.get(changed[0])!r} "
+        raise ConfigError(f"--resume {run_id}: the config changes {key} from {saved['model'].get(changed[0])!r} "
                           f"to {getattr(cfg.model, changed[0])!r}; a run keeps its model (start a new run)")
     return cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"run_id": run_id})})
 

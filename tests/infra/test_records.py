@@ -249,14 +249,3 @@ def test_the_kl_controller_is_restored_from_verified_records_only(store: ObjectS
                  Batch({"advantages": torch.zeros(2, 3)}, {}, {"metrics": {"actor/reward_kl_penalty": float("nan")}}))
     with pytest.raises(CorruptRecordError, match="advantage.parquet records actor/reward_kl_penalty=nan"):
         _restore_kl(trainer)
-
-
-@pytest.mark.parametrize("config", [{}, {"trainer": {"total_iterations": 3}}])
-def test_a_resume_from_a_run_json_without_a_model_is_one_config_error(store: ObjectStore, config: dict) -> None:
-    from engine.errors import ConfigError
-    from flows.config import load_config
-    from flows.plan import resume_config
-
-    store.put_bytes("run1/run.json", json.dumps({**GOOD_RUN, "config": config}).encode())
-    with pytest.raises(ConfigError, match="--resume run1: "):
-        resume_config(store, "run1", load_config(None, []), [])
