@@ -22,24 +22,36 @@ sampled and their log-probs, never a re-tokenisation of the text. The returned f
 reward, at its last sampled token.
 
 The endpoint samples as the run does: a request may name `temperature` or `top_p` only with the run's
-values, `n` 1, no streaming, no tools, stop strings or seed (each answered with a 400 that names it; the
-episode then ends as an error). `max_tokens` (or `max_completion_tokens`) cuts that answer; `logprobs`
-returns the sampled tokens' log-probs. Every answer carries the sampled `token_ids` (in its choice, as
+values (numbers; true is not one), `n` 1, no streaming, no tools, stop strings or seed; a message's role is
+system, user, assistant or tool, and no message the model will read (a first call's, what a later call
+adds) may hold the text of one of the tokenizer's special tokens, which the tokenizer would read as that
+token and so forge the turns (other text, control characters included, is data: a tool's output may hold
+them). Each is checked as the request arrives and answered with a 400 that names it; the episode then ends
+as an error. `max_tokens` (or `max_completion_tokens`, an integer up to rollout.max_new_tokens) cuts that
+answer; `logprobs` returns the sampled tokens' log-probs. Every answer carries the sampled `token_ids` (in its choice, as
 vLLM's `return_token_ids` does). When the episode has no turns or tokens left, the next call is answered
 with a 400 (as a server answers a prompt over its context) and the agent's return ends the episode.
 Deadlines and errors are an environment's (rollout.multi_turn.env_*): the agent has env_step_timeout_s
 from each answer to its next call or its return; a raise, a hang, a call that does not continue the
 conversation, or a return that is not a finite number ends the episode as an error.
+
+What the agent's process may send the endpoint is bounded: a body of one Content-Length up to BODY_CAP
+(anything else is a 400 or a 413 before the body is read), JSON parsed totally (too deep is a 400),
+MAX_CONNECTIONS connections at once and READ_TIMEOUT_S for each read of one. Its processes' memory is the
+episode's, with the environment's (engine.rewards.sandbox.child_cgroups).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import re
 import secrets
 import shutil
 import socketserver
+import sys
 import tempfile
 import threading
 import time
@@ -64,6 +76,8 @@ from engine.rollout.envs import (
     prompt_ids,
 )
 
+log = logging.getLogger("rlflow.agents")
+
 # The child: import the function and the openai client, say ready, read the row, run the agent, answer
 # with what it returned. The API key comes on stdin (not in the command line, which `ps` shows).
 _AGENT_CHILD = _LOAD_CLASS + _CHILD_HEAD + r"""
@@ -87,15 +101,26 @@ answer(record)
 """
 
 BODY_CAP = 4 * 2**20  # a request's body at most
+# An episode's endpoint holds at most this many connections at once (a connection past them is closed at
+# once: an agent makes one call at a time), and each waits at most READ_TIMEOUT_S for each piece of a
+# request (its headers, its body) and for the next request on a kept-alive connection; so an agent that
+# opens thousands of connections, or sends half a request and stops, holds a few threads of the engine,
+# not thousands, and only until its episode ends (its process is killed; the connections with it).
+MAX_CONNECTIONS = 4
+READ_TIMEOUT_S = 10.0
+ROLES = ("system", "user", "assistant", "tool")  # what a message's role may be (the chat template writes it)
 SERVED = {"model", "messages", "temperature", "top_p", "max_tokens", "max_completion_tokens", "logprobs", "n",
           "stream", "top_logprobs", "return_token_ids"}
 
 
 @dataclass
 class Call:
-    """One request of the agent, waiting for its answer."""
+    """One request of the agent, waiting for its answer: what it asks, checked, or why it is refused (it is
+    answered with a 400 at once, and its episode ends as an error)."""
 
     body: Any
+    request: Request | None = None
+    problem: str = ""
     status: int = 0
     response: dict[str, Any] = field(default_factory=dict)
     answered: threading.Event = field(default_factory=threading.Event)
@@ -112,6 +137,7 @@ def _error(message: str) -> dict[str, Any]:
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
+    timeout = READ_TIMEOUT_S  # on each read and write of the connection (socketserver's StreamRequestHandler)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
         pass
@@ -122,18 +148,23 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
         session = self.server.session
         if self.headers.get("Authorization") != f"Bearer {session.key}":
-            self._send(401, _error("not this episode's key"))
+            self._refuse(401, "not this episode's key")
             return
         if self.path.rstrip("/") != "/v1/chat/completions":
-            self._send(404, _error(f"{self.path}: only POST /v1/chat/completions is served"))
+            self._refuse(404, f"{self.path}: only POST /v1/chat/completions is served")
             return
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > BODY_CAP:
-            self._send(413, _error(f"a request's body is at most {BODY_CAP} bytes"))
+        length = _content_length(self.headers.get_all("Content-Length") or [], self.headers.get("Transfer-Encoding"))
+        if isinstance(length, str):
+            self._refuse(413 if length.startswith("a request's body") else 400, length)
             return
         try:
-            body = json.loads(self.rfile.read(length))
-        except ValueError:
+            data = self.rfile.read(length)
+        except OSError:  # the agent stopped sending (READ_TIMEOUT_S) or went away
+            self.close_connection = True
+            return
+        try:
+            body = json.loads(data)
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, cut short, or nested past Python's stack
             self._send(400, _error("the body is not JSON"))
             return
         call = session.arrived(body)
@@ -142,6 +173,12 @@ class _Handler(BaseHTTPRequestHandler):
             return
         call.answered.wait()
         self._send(call.status, call.response)
+
+    def _refuse(self, status: int, why: str) -> None:
+        """An error answer before the body is read: the connection closes after it (its unread body must
+        not be taken for the next request)."""
+        self.close_connection = True
+        self._send(status, _error(why))
 
     def _send(self, status: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()
@@ -155,12 +192,45 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
 
+def _content_length(values: list[str], transfer_encoding: str | None) -> int | str:
+    """A request's body length from its one Content-Length header, or why it is refused."""
+    if transfer_encoding is not None:
+        return f"Transfer-Encoding: {transfer_encoding[:40]!r} is not served: send the body with a Content-Length"
+    if len(values) != 1 or not re.fullmatch(r"[0-9]{1,16}", values[0].strip()):
+        shown = ", ".join(repr(v[:40]) for v in values) or "none"
+        return f"Content-Length: {shown}; one byte count from 0 to {BODY_CAP} is required"
+    length = int(values[0])
+    return length if length <= BODY_CAP else f"a request's body is at most {BODY_CAP} bytes"
+
+
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
 
     def __init__(self, path: str, session: AgentSession) -> None:
         self.session = session
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         super().__init__(path, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):  # MAX_CONNECTIONS open already: closed, no thread
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """What a connection's handler raised: one line, not socketserver's traceback on stderr (whatever
+        the agent sends is answered; this is for what is left, such as a connection reset mid-answer)."""
+        log.warning("the agent endpoint dropped a connection: %s", sys.exc_info()[1])
 
 
 class AgentSession(EnvSession):
@@ -170,8 +240,15 @@ class AgentSession(EnvSession):
     KIND = "agent"
     CHILD = _AGENT_CHILD
 
-    def __init__(self, ref: str, limits: EnvLimits, readable: Sequence[str] = (), until: float | None = None) -> None:
+    def __init__(self, ref: str, limits: EnvLimits, readable: Sequence[str] = (), until: float | None = None, *,
+                 sampling: Sampling, special: Sequence[str] = ()) -> None:
+        """`sampling`: what a request may ask (check_request); `special`: the tokenizer's special tokens,
+        which no message the model will read may hold."""
         self.key = secrets.token_hex(16)
+        self.sampling, self.special = sampling, tuple(special)
+        self.calls = 0  # the calls answered with a turn
+        self.messages: list[Message] = []  # the conversation of the last call
+        self.replied = ""  # the text of the last answer
         self._folder = tempfile.mkdtemp(prefix="rlflow-agent-")  # mode 0700
         self.socket_path = os.path.join(self._folder, "api.sock")
         self._lock = threading.Lock()
@@ -185,18 +262,39 @@ class AgentSession(EnvSession):
         except BaseException:
             self._stop_serving()
             raise
-        self.calls = 0  # the calls answered with a turn
-        self.messages: list[Message] = []  # the conversation of the last call
-        self.replied = ""  # the text of the last answer
 
     def arrived(self, body: Any) -> Call | None:
-        """A request from the agent (the server's thread): queued for the loop, or None while another waits."""
+        """A request from the agent (the server's thread), checked: queued for the loop; a refused one is
+        answered (400) at once and queued too (the loop ends the episode); None while another waits."""
+        problem, request = check_request(body, self.sampling)
+        if not problem and request is not None:
+            problem = self._special_in(request.messages)
         with self._lock:
-            if self.pending is not None or self._proc is None:
-                return None if self.pending is not None else _closed_call()
-            self.pending = Call(body)
+            if self._proc is None:
+                return _closed_call()
+            if problem:
+                call = Call(body, problem=problem)
+                call.answer(400, _error(problem))
+                self._lines.put((time.monotonic(), call))
+                return call
+            if self.pending is not None:
+                return None
+            self.pending = Call(body, request)
             self._lines.put((time.monotonic(), self.pending))
             return self.pending
+
+    def _special_in(self, messages: list[Message]) -> str:
+        """Why the messages the model will read as tokens (a first call's, a later call's after the
+        conversation so far) are refused, or "": one holds a special token's text, which the tokenizer would
+        read as that token (an end of turn, a role's header: a conversation it did not have)."""
+        before = self.messages + [{"role": "assistant", "content": self.replied}] if self.calls else []
+        start = len(before) if messages[:len(before)] == before else 0
+        for i, m in enumerate(messages[start:], start):
+            found = next((t for t in self.special if t in m["content"]), None)
+            if found is not None:
+                return (f"messages[{i}].content holds {found!r}, the model's special token: a message is text, "
+                        "and the chat template writes the turns' tokens")
+        return ""
 
     def _event(self, item: Any) -> Any:
         return item  # a Call
@@ -260,6 +358,15 @@ class AgentSession(EnvSession):
         shutil.rmtree(self._folder, ignore_errors=True)
 
 
+def special_tokens(tokenizer: Any) -> list[str]:
+    """The text of each of the tokenizer's special tokens (its end of turn, its roles' headers...)."""
+    found = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    for token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(token, "special", False):
+            found.add(str(token.content))
+    return sorted(t for t in found if t)
+
+
 def _closed_call() -> Call:
     call = Call(None)
     call.answer(503, _error("the episode is over"))
@@ -268,10 +375,11 @@ def _closed_call() -> Call:
 
 @dataclass(frozen=True)
 class Sampling:
-    """The run's sampling, which a request may restate but not change."""
+    """The run's sampling, which a request may restate but not change, and the most tokens it may ask for."""
 
     temperature: float
     top_p: float
+    max_tokens: int  # rollout.max_new_tokens: an episode's response tokens, all its turns together
 
 
 @dataclass
@@ -282,25 +390,32 @@ class Request:
 
 
 def check_request(body: Any, sampling: Sampling) -> tuple[str, Request | None]:
-    """(why the request is refused, or ""; what it asks)."""
+    """(why the request is refused, or ""; what it asks). A total function of the parsed body."""
     if not isinstance(body, dict):
         return "the body is not a JSON object", None
-    extra = sorted(k for k, v in body.items() if k not in SERVED and v is not None)
+    extra = sorted(str(k) for k, v in body.items() if k not in SERVED and v is not None)
     if extra:
-        return (f"{extra[0]} is not served: rlflow's endpoint samples as the run does (served: "
+        return (f"{_shown(extra[0])} is not served: rlflow's endpoint samples as the run does (served: "
                 f"{', '.join(sorted(SERVED))})"), None
     for key, run in (("temperature", sampling.temperature), ("top_p", sampling.top_p)):
-        if body.get(key) is not None and body[key] != run:
-            return f"{key}={body[key]!r}: the run samples with rollout.{key}={run!r} (leave it out, or give that)", None
-    if body.get("n") not in (None, 1):
-        return f"n={body['n']!r}: one answer a call (rollout.n makes the group)", None
-    if body.get("stream"):
-        return "stream=true is not served: an answer comes whole", None
-    if body.get("top_logprobs") not in (None, 0):
+        value = body.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value != run):
+            return (f"{key}={_shown(value)}: the run samples with rollout.{key}={run!r} (a number: leave it out, "
+                    "or give that)"), None
+    if body.get("n") is not None and (isinstance(body["n"], bool) or body["n"] != 1):
+        return f"n={_shown(body['n'])}: one answer a call (rollout.n makes the group)", None
+    if body.get("stream") not in (None, False):
+        return "stream is not served: an answer comes whole", None
+    if body.get("top_logprobs") is not None and (isinstance(body["top_logprobs"], bool) or body["top_logprobs"] != 0):
         return "top_logprobs is not served: logprobs=true gives the sampled tokens' log-probs", None
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        return f"max_tokens={limit!r}: a positive integer", None
+    if body.get("logprobs") not in (None, True, False):
+        return f"logprobs={_shown(body['logprobs'])}: true or false", None
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    limit = body.get(key)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or
+                              not 1 <= limit <= sampling.max_tokens):
+        return (f"{key}={_shown(limit)}: an integer from 1 to {sampling.max_tokens} (rollout.max_new_tokens, "
+                "the episode's tokens)"), None
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         return "messages: a non-empty list of {'role': ..., 'content': str}", None
@@ -308,11 +423,13 @@ def check_request(body: Any, sampling: Sampling) -> tuple[str, Request | None]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             return f"messages[{i}]: not {{'role': str, 'content': str}} (text content only)", None
-        other = sorted(k for k, v in m.items() if k not in ("role", "content") and v not in (None, [], ""))
+        if m["role"] not in ROLES:
+            return f"messages[{i}].role={_shown(m['role'])}: one of {', '.join(ROLES)}", None
+        other = sorted(str(k) for k, v in m.items() if k not in ("role", "content") and v not in (None, [], ""))
         if other:
-            return f"messages[{i}].{other[0]} is not served (role and text content only)", None
+            return f"messages[{i}].{_shown(other[0])} is not served (role and text content only)", None
         kept.append({"role": m["role"], "content": m["content"]})
-    return "", Request(kept, limit, bool(body.get("logprobs")))
+    return "", Request(kept, limit, body.get("logprobs") is True)
 
 
 def completion(tokenizer: Any, session: AgentSession, model: Any, ids: list[int], logps: list[float],
@@ -343,6 +460,7 @@ class AgentEpisodes(EnvEpisodes):
         super().__init__(tokenizer, ref, limits, width=width, error_reward=error_reward, seeds=seeds,
                          readable=readable)
         self.sampling = sampling
+        self.special = special_tokens(tokenizer)
         self.agents: list[AgentSession] = []
         self.asked: list[Request | None] = []  # each row's pending request
         self.rewards: list[float | None] = []  # what each agent returned
@@ -361,7 +479,8 @@ class AgentEpisodes(EnvEpisodes):
         for r in range(rows):
             if r >= window:
                 firsts.append(self.agents[r - window].start(_row(prompts, r - window, self.seeds[r - window])))
-            self.agents.append(AgentSession(self.ref, self.limits, self.readable, until))
+            self.agents.append(AgentSession(self.ref, self.limits, self.readable, until, sampling=self.sampling,
+                                            special=self.special))
         for r in range(max(0, rows - window), rows):
             firsts.append(self.agents[r].start(_row(prompts, r, self.seeds[r])))
         silent, rows_ids = 0, []
@@ -386,13 +505,14 @@ class AgentEpisodes(EnvEpisodes):
         return self._padded(prompts, rows_ids)
 
     def _take(self, r: int, call: Call) -> Request | None:
-        """Row r's call's request, checked (refused: None, and the episode ends as an error)."""
-        problem, request = check_request(call.body, self.sampling)
-        if problem:
-            self.agents[r].refuse(problem)
+        """Row r's call's request, checked when it arrived (refused: answered with a 400 already; None, and
+        the episode ends as an error)."""
+        agent = self.agents[r]
+        if call.problem or call.request is None:
+            agent._fail(f"{agent.name}'s call {agent.calls + 1}: {call.problem}")
             return None
-        self.asked[r] = request
-        return request
+        self.asked[r] = call.request
+        return call.request
 
     def cut(self, row: int, ids: list[int]) -> int | None:
         request = self.asked[row] if row < len(self.asked) else None
@@ -410,10 +530,10 @@ class AgentEpisodes(EnvEpisodes):
                 continue
             body = agent.pending.body if agent.pending is not None else {}
             finish = "stop" if end else "length"
-            agent.respond(200, completion(self.tokenizer, agent, body.get("model"), new, lp, finish,
-                                          request.logprobs))
-            agent.calls += 1
+            answer = completion(self.tokenizer, agent, body.get("model"), new, lp, finish, request.logprobs)
+            agent.calls += 1  # before the answer: the agent's next call is checked against them (_special_in)
             agent.replied = str(self.tokenizer.decode(new, skip_special_tokens=True))
+            agent.respond(200, answer)
         replies = []
         for r, end, go in zip(rows, ends, room):
             agent = self.agents[r]

@@ -529,7 +529,8 @@ def generate_batch(rollout: Any, prompts: Batch, cfg: RolloutConfig, *, seed: in
                         readable=env_files(cfg.env), seeds=seeds) if cfg.env is not None else
             AgentEpisodes(tokenizer, cfg.episodes, limits, width=prompt_width, error_reward=mt.env_error_reward,
                           readable=env_files(cfg.episodes), seeds=seeds,
-                          sampling=Sampling(temperature=cfg.temperature, top_p=cfg.top_p)))
+                          sampling=Sampling(temperature=cfg.temperature, top_p=cfg.top_p,
+                                            max_tokens=cfg.max_new_tokens)))
         return run_episodes(rollout, tokenizer, episodes, prompts, cfg, seed=seed, iteration=iteration, rank=rank,
                             do_sample=do_sample, version=version, stage=stage)
     if cfg.multi_turn.enable:  # assistant -> tool -> assistant (engine/rollout/multi_turn.py)

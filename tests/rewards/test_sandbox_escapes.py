@@ -494,12 +494,13 @@ def test_an_environment_sees_none_of_the_stacks_secrets(planted: tuple[str, list
 
 
 def test_an_agent_sees_none_of_the_stacks_secrets(planted: tuple[str, list[str], Path]) -> None:
-    from engine.rollout.agents import AgentSession, Call
+    from engine.rollout.agents import AgentSession, Call, Sampling
     from engine.rollout.envs import EnvLimits, env_files
 
     secret, paths, probe = planted
     ref = f"{probe}:peeker"
-    session = AgentSession(ref, EnvLimits(step_timeout_s=10.0, memory_mb=512), env_files(ref))
+    session = AgentSession(ref, EnvLimits(step_timeout_s=10.0, memory_mb=512), env_files(ref),
+                           sampling=Sampling(temperature=1.0, top_p=1.0, max_tokens=64))
     try:
         call = session.start({"paths": paths})
     finally:
