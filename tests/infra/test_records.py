@@ -249,3 +249,25 @@ def test_the_kl_controller_is_restored_from_verified_records_only(store: ObjectS
                  Batch({"advantages": torch.zeros(2, 3)}, {}, {"metrics": {"actor/reward_kl_penalty": float("nan")}}))
     with pytest.raises(CorruptRecordError, match="advantage.parquet records actor/reward_kl_penalty=nan"):
         _restore_kl(trainer)
+
+
+@pytest.mark.parametrize("metrics", [{"sampling/next_step": float("nan")}, {"sampling/next_step": "12"}, {}, [1]],
+                         ids=["nan", "a string", "missing", "not a dict"])
+def test_what_a_stage_reads_from_the_previous_buffer_is_checked(store: ObjectStore, metrics: Any) -> None:
+    """tasks/stages.py recorded_before: the sampler step (dynamic sampling) and safe RL's multiplier come from
+    the previous iteration's buffer record, a number or one CorruptRecordError naming the buffer."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from engine.batch import Batch
+    from infra.buffers import write_buffer
+    from tasks.stages import recorded_before
+
+    write_buffer(store, "run1", 1, "rollout", Batch({"responses": torch.zeros(2, 3)}, {}, {"metrics": metrics}))
+    ctx = SimpleNamespace(store=store, plan=SimpleNamespace(run_id="run1"))
+    with pytest.raises(CorruptRecordError, match=r"iter_000001/rollout.parquet records sampling/next_step=.*dynamic"):
+        recorded_before(ctx, 2, "rollout", "sampling/next_step", "dynamic sampling")
+    write_buffer(store, "run1", 1, "rollout", Batch({"responses": torch.zeros(2, 3)}, {},
+                                                    {"metrics": {"sampling/next_step": 12}}))
+    assert recorded_before(ctx, 2, "rollout", "sampling/next_step", "dynamic sampling") == 12.0
