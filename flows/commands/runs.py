@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from flows.config import load_config
@@ -45,7 +46,11 @@ def human_bytes(n: int) -> str:
 
 
 def _opt(value: object) -> str:
-    return "-" if value is None else str(value)
+    """A stored value as plain text: no rich markup ("[/x]" raised MarkupError) and no control characters
+    (a terminal escape in run.json): whoever writes the bucket writes these."""
+    if value is None:
+        return "-"
+    return escape("".join(c if c.isprintable() else "?" for c in str(value)))
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -92,7 +97,7 @@ def _print_summary(console: Console, s: RunSummary, info: dict | None = None) ->
     head.add_row("created", _opt(s.created))
     if info:  # run.json: the lineage
         parent = info.get("parent")
-        head.add_row("parent", f"{parent['run_id']} step {parent['step']} ({parent['checkpoint']})"
+        head.add_row("parent", f"{_opt(parent['run_id'])} step {parent['step']} ({_opt(parent['checkpoint'])})"
                      if parent else "- (a new run)")
         head.add_row("config hash", _opt(info.get("config_hash")))
         head.add_row("code version", _opt(info.get("code_version")))

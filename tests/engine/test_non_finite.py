@@ -109,3 +109,17 @@ def test_the_update_stage_refuses_a_stored_advantage_buffer_with_nan(tmp_path: P
     ref = write_buffer(store, "run1", 4, "advantage", held)
     batch = update_inputs(ctx, 4, stage, {"compute_advantages": StageResult(ref=ref)})
     assert torch.equal(batch["response_mask"], mask)
+
+
+def test_a_non_finite_failure_is_not_retried() -> None:
+    """The stage's retry condition: a NaN computes the same NaN again, so the stage fails at once and the
+    iteration (then the run) ends Failed; other failures are still retried."""
+    from tasks.stages import retry_unless_engine_gone
+
+    def state(err: BaseException) -> SimpleNamespace:
+        def result() -> None:
+            raise err
+        return SimpleNamespace(result=result)
+
+    assert retry_unless_engine_gone(None, None, state(NonFiniteError("rank 0 refused update_actor: nan"))) is False
+    assert retry_unless_engine_gone(None, None, state(OSError("transient"))) is True

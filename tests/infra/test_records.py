@@ -271,3 +271,18 @@ def test_what_a_stage_reads_from_the_previous_buffer_is_checked(store: ObjectSto
     write_buffer(store, "run1", 1, "rollout", Batch({"responses": torch.zeros(2, 3)}, {},
                                                     {"metrics": {"sampling/next_step": 12}}))
     assert recorded_before(ctx, 2, "rollout", "sampling/next_step", "dynamic sampling") == 12.0
+
+
+def test_runs_show_prints_stored_text_as_text(store: ObjectStore, capsys: pytest.CaptureFixture[str]) -> None:
+    """Strings of run.json and lock.json are shown as they are: rich markup in them is not markup ("[/x]" was
+    a MarkupError traceback) and a terminal escape is not sent to the terminal."""
+    store.put_bytes("run1/run.json", _edit(GOOD_RUN, {"created": "[/x] \x1b[31mred", "code_version": "[bold]v",
+                                                      "parent": {"run_id": "[/p]", "step": 3, "checkpoint": "c"}}))
+    store.put_bytes("run1/lock.json", _edit(GOOD_LEASE, {"host": "[/h]"}))
+    for verb in (["show", "run1"], ["list"]):
+        assert main(["runs", *verb, "--root", store.root]) == 0
+        out = capsys.readouterr().out
+        assert "[/x]" in out and "\x1b" not in out, out
+    assert main(["runs", "show", "run1", "--root", store.root]) == 0
+    out = capsys.readouterr().out
+    assert "[bold]v" in out and "[/p] step 3" in out and "host [/h]" in out, out
