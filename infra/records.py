@@ -188,7 +188,7 @@ class TrainerStateRecord(_Record):
     """trainer.json of a checkpoint (flows/train.py Trainer.trainer_state)."""
 
     iteration: Count
-    kl_ctrl: dict[str, Annotated[float, Field(ge=0, le=1e6)]] = Field(default_factory=dict)
+    kl_ctrl: dict[str, Annotated[float, Field(ge=0, le=1e12)]] = Field(default_factory=dict)  # the KL coefficient
 
 
 def parse_metrics(data: bytes, url: str, iteration: int | None = None) -> dict[str, float | int | bool | None]:
