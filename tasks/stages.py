@@ -677,7 +677,7 @@ def non_finite_row(batch: Batch, key: str) -> int | None:
     """The first row where float tensor `key` is NaN or inf (within response_mask when it is [B, T]), or None."""
     t = batch[key]
     assert isinstance(t, torch.Tensor)
-    if not t.is_floating_point():
+    if not t.is_floating_point() or t.numel() == 0:
         return None
     bad = ~torch.isfinite(t)
     mask = batch["response_mask"] if "response_mask" in batch and key != "response_mask" else None
