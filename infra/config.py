@@ -7,8 +7,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 
+# Each numeric setting has both ends (a range a real run could use; tests/test_config.py walks them).
+DAY_S = 86400.0
+HOUR_S = 3600.0
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class StorageConfig(_Section):
@@ -19,14 +24,17 @@ class StorageConfig(_Section):
     secret_access_key: SecretStr | None = Field(None, description="default: AWS_SECRET_ACCESS_KEY; never logged")
     shared_fs: bool = Field(False, description="a local root that every Ray node mounts (NFS, Lustre): only then "
                             "may a multi-node cluster use a local root")
-    keep_last: int = Field(3, ge=1, description="committed checkpoints kept")
-    keep_every: int = Field(0, ge=0, description="also keep every M-th step (0: none)")
-    lease_ttl_s: float = Field(300.0, gt=0, description="writer lease expiry unless renewed")
-    retry_attempts: int = Field(8, ge=1, description="tries for a transient storage failure")
-    retry_max_wait_s: float = Field(8.0, gt=0, description="cap of the exponential backoff")
-    connect_timeout_s: float = Field(10.0, gt=0, description="S3: a connection not made by then is retried")
-    read_timeout_s: float = Field(60.0, gt=0, description="S3: a silent server (hung) is retried after this")
-    max_concurrency: int = Field(8, ge=1, description="parallel object transfers (checkpoint shards)")
+    keep_last: int = Field(3, ge=1, le=10_000, description="committed checkpoints kept")
+    keep_every: int = Field(0, ge=0, le=10**7, description="also keep every M-th step (0: none)")
+    lease_ttl_s: float = Field(300.0, ge=10, le=DAY_S, description="writer lease expiry unless renewed (it is "
+                               "renewed every third of it)")
+    retry_attempts: int = Field(8, ge=1, le=100, description="tries for a transient storage failure")
+    retry_max_wait_s: float = Field(8.0, ge=0.01, le=HOUR_S, description="cap of the exponential backoff")
+    connect_timeout_s: float = Field(
+        10.0, ge=0.1, le=HOUR_S, description="S3: a connection not made by then is retried")
+    read_timeout_s: float = Field(
+        60.0, ge=0.1, le=HOUR_S, description="S3: a silent server (hung) is retried after this")
+    max_concurrency: int = Field(8, ge=1, le=1024, description="parallel object transfers (checkpoint shards)")
 
 
 class RayConfig(_Section):
@@ -34,7 +42,8 @@ class RayConfig(_Section):
         None, description="a Ray cluster address; default: the local head node that `rlflow up` starts"
     )
     namespace: str = "rlflow"
-    max_concurrent_stages: int = Field(4, ge=1, description="stage tasks running at once (a custom resource)")
+    max_concurrent_stages: int = Field(
+        4, ge=1, le=1024, description="stage tasks running at once (a custom resource)")
     placement: Literal["pack", "spread", "strict_pack", "strict_spread"] = Field(
         "pack", description="the Ray placement-group strategy of each pool's ranks (strict_spread: one rank a node)"
     )
@@ -56,6 +65,7 @@ class StackConfig(_Section):
     num_cpus: int | None = Field(
         default=None,
         ge=0,
+        le=2**20,
         description="the Ray node's logical CPUs; default: max(cores, 4), the engine's rank actors need 4 "
         "(0: a head that runs no rank, as a cluster's head often does)",
     )
@@ -74,8 +84,8 @@ class StackConfig(_Section):
         description="Ray token authentication of the head; the token lives in the state folder",
     )
     start_timeout_s: float = Field(
-        default=180.0, gt=0, description="a service not healthy by then fails `up`"
+        default=180.0, gt=0, le=DAY_S, description="a service not healthy by then fails `up`"
     )
     stop_timeout_s: float = Field(
-        default=20.0, gt=0, description="after SIGTERM, wait this long before SIGKILL"
+        default=20.0, gt=0, le=HOUR_S, description="after SIGTERM, wait this long before SIGKILL"
     )

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.config import MAX_ITERATIONS, MAX_RANKS
+
 if TYPE_CHECKING:
     from infra.runs import RunStore
     from infra.store import ObjectStore
@@ -27,13 +29,16 @@ class FaultConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     fail_stage: str | None = Field(None, description="a stage task name that raises (tests only)")
-    fail_times: int = Field(1, ge=1, description="how many attempts of that stage fail")
-    fail_iteration: int | None = Field(None, ge=1, description="only this iteration (default: every one)")
+    fail_times: int = Field(1, ge=1, le=100, description="how many attempts of that stage fail")
+    fail_iteration: int | None = Field(
+        None, ge=1, le=MAX_ITERATIONS, description="only this iteration (default: every one)")
     kill_flow_after: str | None = Field(None, description="SIGKILL the flow process once this stage is done")
-    kill_iteration: int = Field(1, ge=1, description="the iteration of the kill_* faults")
-    kill_rank_mid_update: int | None = Field(None, ge=0, description="this policy rank dies mid-update")
-    stop_rank_mid_update: int | None = Field(None, ge=0, description="this policy rank stops itself (SIGSTOP) "
-                                             "mid-update: alive but hung, its peer blocked in a collective")
+    kill_iteration: int = Field(1, ge=1, le=MAX_ITERATIONS, description="the iteration of the kill_* faults")
+    kill_rank_mid_update: int | None = Field(
+        None, ge=0, lt=MAX_RANKS, description="this policy rank dies mid-update")
+    stop_rank_mid_update: int | None = Field(
+        None, ge=0, lt=MAX_RANKS, description="this policy rank stops itself (SIGSTOP) mid-update: alive but "
+        "hung, its peer blocked in a collective")
     kill_during_checkpoint: bool = Field(False, description="the saving process dies after the shards "
                                          "are written, before the commit")
 

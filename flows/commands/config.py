@@ -46,8 +46,8 @@ def reference() -> str:
     for section, field in RLConfig.model_fields.items():
         model = field.annotation
         doc = (model.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")  # type: ignore[union-attr]
-        lines += [f"## {section}", "", doc, "", "| key | default | |", "|---|---|---|"] if doc else \
-                 [f"## {section}", "", "| key | default | |", "|---|---|---|"]
+        table = ["| key | default | range | |", "|---|---|---|---|"]
+        lines += [f"## {section}", "", doc, "", *table] if doc else [f"## {section}", "", *table]
         lines += _rows(section, model)
         lines.append("")
     return "\n".join(lines)
@@ -57,6 +57,8 @@ def _rows(prefix: str, model: Any) -> list[str]:
     """One table row per field; a sub-section (actor.lora) as its own fields, `prefix.sub.field`."""
     from pydantic import BaseModel
 
+    from flows.config import field_range
+
     rows = []
     for name, info in model.model_fields.items():
         if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
@@ -64,7 +66,8 @@ def _rows(prefix: str, model: Any) -> list[str]:
             continue
         default = info.get_default(call_default_factory=True)
         text = (info.description or "").replace("|", "\\|")
-        rows.append(f"| `{prefix}.{name}` | `{default!r}` | {text} |".replace("`''`", "`\"\"`"))
+        allowed = field_range(info).replace("|", "\\|")
+        rows.append(f"| `{prefix}.{name}` | `{default!r}` | {allowed} | {text} |".replace("`''`", "`\"\"`"))
     return rows
 
 
@@ -75,7 +78,10 @@ log-probs to be the ones the ratio was computed against, and the critic's values
 does. A setting that is not built yet is refused when the config is read, in one line, and so is a setting
 that would change nothing in the config it is given (the critic's without critic.enable, LoRA's without
 lora.rank, S3's with a local storage.root, ...): tests/pipeline/test_every_field.py holds every field below
-to changing what a run computes, or to being refused."""
+to changing what a run computes, or to being refused. A number outside its range (the column below: both
+ends, a list's length) is refused when the config is built, in one line that names the setting and the
+range; a string setting is printable text of at most 4096 characters (no control or bidirectional-format
+character) and a URL in it holds no credentials (user:password@)."""
 
 
 def _docs(args: argparse.Namespace) -> int:

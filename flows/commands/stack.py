@@ -41,9 +41,22 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _config(args: argparse.Namespace) -> StackConfig:
+    from pydantic import ValidationError
+
+    from engine.errors import ConfigError
+    from flows.config import allowed_range
+
     chosen = {"prefect_port": args.prefect_port, "ray_port": args.ray_port, "num_cpus": args.num_cpus,
               "join": args.join, "join_token_file": args.token_file}
-    return StackConfig(**{key: value for key, value in chosen.items() if value is not None})
+    try:
+        return StackConfig(**{key: value for key, value in chosen.items() if value is not None})
+    except ValidationError as err:  # one line naming the option and its range (a traceback before)
+        first = err.errors()[0]
+        name = str(first["loc"][0])
+        allowed = allowed_range(list(StackConfig.model_fields[name].metadata), int)
+        flag = "--token-file" if name == "join_token_file" else "--" + name.replace("_", "-")
+        raise ConfigError(f"{flag} {chosen[name]} is not allowed: "
+                          f"{f'must be {allowed}' if allowed else first['msg']}") from None
 
 
 def _up(args: argparse.Namespace) -> int:

@@ -237,6 +237,11 @@ BAD_CONFIG = {
                                          "actor.lora.modules_to_save: 'nope' is not a module"),
     "export-merged-without-lora": (["trainer.export_merged=true"], "trainer.export_merged"),
     "critic-lora-without-critic": (["critic.lora.rank=4"], "critic.lora.rank"),
+    # issue 47: a traceback at engine setup (torch.manual_seed) and at the first retry (Prefect's delay) on c4b7975
+    "seed-past-torch": ([f"trainer.seed={2**100}"], f"trainer.seed={2**100} is not allowed: must be an integer in "
+                                                   f"[0, {2**63 - 1}]"),
+    "retry-delay-past-a-day": (["trainer.stage_retry_delays_s=[2, 1.0e+300]"], "trainer.stage_retry_delays_s=[2, 1e+300] "
+                                                                              "is not allowed: each must be in [0, 86400]"),
 }
 
 
