@@ -147,20 +147,21 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802
         session = self.server.session
-        if self.headers.get("Authorization") != f"Bearer {session.key}":
-            self._refuse(401, "not this episode's key")
-            return
-        if self.path.rstrip("/") != "/v1/chat/completions":
-            self._refuse(404, f"{self.path}: only POST /v1/chat/completions is served")
-            return
         length = _content_length(self.headers.get_all("Content-Length") or [], self.headers.get("Transfer-Encoding"))
-        if isinstance(length, str):
-            self._refuse(413 if length.startswith("a request's body") else 400, length)
+        if isinstance(length, str):  # its body cannot be told from a next request: answered, then closed
+            self.close_connection = True
+            self._send(413 if length.startswith("a request's body") else 400, _error(length))
             return
-        try:
+        try:  # read before any answer, so that the client is not cut off mid-send (at most BODY_CAP)
             data = self.rfile.read(length)
         except OSError:  # the agent stopped sending (READ_TIMEOUT_S) or went away
             self.close_connection = True
+            return
+        if self.headers.get("Authorization") != f"Bearer {session.key}":
+            self._send(401, _error("not this episode's key"))
+            return
+        if self.path.rstrip("/") != "/v1/chat/completions":
+            self._send(404, _error(f"{self.path}: only POST /v1/chat/completions is served"))
             return
         try:
             body = json.loads(data)
@@ -173,12 +174,6 @@ class _Handler(BaseHTTPRequestHandler):
             return
         call.answered.wait()
         self._send(call.status, call.response)
-
-    def _refuse(self, status: int, why: str) -> None:
-        """An error answer before the body is read: the connection closes after it (its unread body must
-        not be taken for the next request)."""
-        self.close_connection = True
-        self._send(status, _error(why))
 
     def _send(self, status: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()
