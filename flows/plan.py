@@ -377,7 +377,7 @@ def _reachable(store: ObjectStore) -> Iterator[None]:
     try:
         yield
     except StoreUnavailable as err:
-        where = f" at {store.endpoint_url}" if store.endpoint_url else ""
+        where = f" at {store.endpoint_shown}" if store.endpoint_url else ""
         raise StoreUnavailable(f"storage.root={store.root} is unreachable{where} ({err}); check "
                                "storage.endpoint_url (or AWS_ENDPOINT_URL) and that the server is up") from err
 

@@ -40,6 +40,7 @@ import hashlib
 import logging
 import os
 import random
+import re
 import shutil
 import stat
 import threading
@@ -60,6 +61,7 @@ T = TypeVar("T")
 
 # Local temp files and CAS lock files carry this prefix; listings never show them.
 _HIDDEN_PREFIX = ".rlflow-"
+_URL_USERINFO = re.compile(r"(?<=://)[^/?#]*@")  # scheme://user:password@host
 _CHUNK = 8 * 2**20
 
 # S3 error codes that mean "try again later". Everything else from the server is permanent.
@@ -144,9 +146,14 @@ class ObjectStore:
             max_concurrency=cfg.max_concurrency,
         )
 
+    @property
+    def endpoint_shown(self) -> str | None:
+        """endpoint_url for messages, credentials in it (user:password@, from AWS_ENDPOINT_URL) masked."""
+        return None if self.endpoint_url is None else _URL_USERINFO.sub("***@", self.endpoint_url)
+
     # Credentials stay out of repr and pickles (see the module docstring).
     def __repr__(self) -> str:
-        where = f", endpoint={self.endpoint_url!r}" if self.endpoint_url else ""
+        where = f", endpoint={self.endpoint_shown!r}" if self.endpoint_url else ""
         return f"ObjectStore({self.root!r}{where})"
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -232,7 +239,7 @@ class ObjectStore:
         url = self.url(key)
         if kind == "no_bucket":
             bucket = self.root.split("://", 1)[1].split("/", 1)[0]
-            where = f" at {self.endpoint_url}" if self.endpoint_url else ""
+            where = f" at {self.endpoint_shown}" if self.endpoint_url else ""
             return StoreError(f"bucket {bucket!r} does not exist{where} (storage root {self.root})")
         if kind == "denied":
             return StoreError(

@@ -917,3 +917,14 @@ def test_rlflow_up_refuses_an_option_out_of_range_in_one_line(flags: list[str], 
     assert main(["up", *flags]) == 2
     assert capsys.readouterr().err == f"rlflow: error: {line}\n"
     assert not (tmp_path / "home").exists()
+
+
+def test_an_endpoint_from_the_environment_is_shown_without_its_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AWS_ENDPOINT_URL is no setting (the config refuses credentials in a URL): the store masks them in what
+    it shows (its repr, the messages of an unreachable endpoint or a missing bucket) and connects with it."""
+    from infra.store import ObjectStore
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://admin:{SECRET}@127.0.0.1:9")
+    store = ObjectStore("s3://bucket/runs", access_key_id="k", secret_access_key="s")
+    assert store.endpoint_url == f"http://admin:{SECRET}@127.0.0.1:9"
+    assert store.endpoint_shown == "http://***@127.0.0.1:9" and SECRET not in repr(store)

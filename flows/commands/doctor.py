@@ -344,7 +344,7 @@ def _storage_fix(store: ObjectStore, err: Exception) -> str:
     if store.protocol == "file":  # permissions, a file in the way, a read-only file system, no space
         return "choose a folder this user can write: storage.root=PATH"
     if isinstance(err, StoreUnavailable):  # refused, timed out, 5xx after every try
-        where = store.endpoint_url or "the S3 endpoint (AWS_ENDPOINT_URL, else AWS)"
+        where = store.endpoint_shown or "the S3 endpoint (AWS_ENDPOINT_URL, else AWS)"
         return f"check that {where} is right and reachable; a local S3 server: `rlflow infra s3`"
     text = str(err).lower()
     if "bucket" in text and any(word in text for word in ("no such", "not exist", "nosuchbucket")):
