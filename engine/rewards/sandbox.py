@@ -449,8 +449,9 @@ def _secrets() -> list[str]:
 @functools.lru_cache(maxsize=1)
 def _import_path() -> tuple[str, ...]:
     """What the child imports from beyond its environment's folders: the entries its own sys.path gets from
-    .pth files (a project installed in place). Of such a folder (a checkout, with ./runs beside its
-    packages) only its packages and modules are shown."""
+    .pth files (a project installed in place, another environment's site-packages, an egg). Of a folder
+    that is not a site-packages (a checkout, with ./runs beside its packages) only its packages and modules
+    are shown."""
     try:
         out = subprocess.run([sys.executable, "-I", "-c", "import json, sys; print(json.dumps(sys.path))"],
                              capture_output=True, env={"PATH": os.defpath}, timeout=_STARTUP_TIMEOUT_S, check=True)
@@ -459,8 +460,11 @@ def _import_path() -> tuple[str, ...]:
         return ()
     found = []
     for entry in entries:
-        if not isinstance(entry, str) or not os.path.isdir(entry) or any(
+        if not isinstance(entry, str) or not os.path.exists(entry) or any(
                 _under(os.path.realpath(entry), os.path.realpath(p)) for p in (sys.prefix, sys.base_prefix)):
+            continue
+        if os.path.isfile(entry) or os.path.basename(entry) in ("site-packages", "dist-packages"):
+            found.append(entry)
             continue
         for name in sorted(os.listdir(entry)):
             member = os.path.join(entry, name)
