@@ -757,6 +757,7 @@ def test_every_range_is_checked_when_the_config_is_built() -> None:
         metadata, wrap, each = probe
         ends = {n: getattr(m, n) for m in metadata for n in ("gt", "ge", "lt", "le") if getattr(m, n, None) is not None}
         low, high = ends.get("ge", ends.get("gt")), ends.get("le", ends.get("lt"))
+        assert low is not None and high is not None, f"{key}: no range"  # as test_every_number_..._has_a_range
         for value in (low - 1, high + 1):
             with pytest.raises(ConfigError) as err:
                 build_config(_raw([f"{key}={json.dumps(wrap(value))}"]))
