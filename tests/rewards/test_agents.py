@@ -155,10 +155,15 @@ def test_the_endpoint_answers_only_its_own_episodes_key() -> None:
                 self.sock = socket.socket(socket.AF_UNIX)
                 self.sock.connect(session.socket_path)
 
-        for key, status in (("not-its-key", 401), (session.key, 400)):
+        # no Authorization header, another key, its key in another scheme or with a prefix: 401; its own: the
+        # body is read (and is not JSON here: 400)
+        for headers, status in (({}, 401), ({"Authorization": "Bearer not-its-key"}, 401),
+                                ({"Authorization": f"Basic {session.key}"}, 401),
+                                ({"Authorization": f"Bearer x{session.key}"}, 401),
+                                ({"Authorization": f"Bearer {session.key}"}, 400)):
             conn = Unix("rlflow")
-            conn.request("POST", "/v1/chat/completions", body=b"{", headers={"Authorization": f"Bearer {key}"})
-            assert conn.getresponse().status == status
+            conn.request("POST", "/v1/chat/completions", body=b"{", headers=headers)
+            assert conn.getresponse().status == status, headers
         assert Path(session.socket_path).parent.stat().st_mode & 0o077 == 0  # the folder is this user's alone
     finally:
         session.close()
