@@ -116,7 +116,7 @@ class MultiTurnConfig(Section):
         "an error observation")
     tool_memory_mb: int = Field(
         512, ge=MIN_MEMORY_MB, le=MAX_MEMORY_MB, description="address-space cap of the process a tool call "
-        "runs in")
+        "runs in; the sandbox's processes together are held to it plus 64 MiB by a memory cgroup")
     max_tool_response_chars: int = Field(
         256, gt=0, le=2**20, description="an observation longer than this is cut")
     env_step_timeout_s: float = Field(
@@ -125,7 +125,8 @@ class MultiTurnConfig(Section):
         "episode ends as an error")
     env_memory_mb: int = Field(
         512, ge=MIN_MEMORY_MB, le=MAX_MEMORY_MB, description="rollout.env, rollout.agent: address-space cap "
-        "of an episode's environment or agent process")
+        "of an episode's environment or agent process; all of the episode's processes together are held to it "
+        "plus 64 MiB by a memory cgroup")
     env_error_reward: float = Field(
         0.0, ge=-MAX_SCALE, le=MAX_SCALE, description="rollout.env, rollout.agent: the reward of an episode "
         "that ended as an error (the environment or agent raised, hung, ran out of memory or answered wrongly)")
@@ -562,8 +563,8 @@ class SandboxConfig(Section):
     """How code a model writes or calls (code rewards, tool calls) is confined (engine/rewards/sandbox.py)."""
 
     isolation: Literal["bwrap", "none"] = Field(
-        "bwrap", description="bwrap: in Debian's bubblewrap (new user, PID and network namespaces, read-only root, "
-        "a private /tmp, nothing outlives a call); needs the bwrap program (apt-get install bubblewrap). none: "
+        "bwrap", description="bwrap: in Debian's bubblewrap (new user, PID and network namespaces, only the files the "
+        "code needs shown read-only: never the home or state folder, a private /tmp, nothing outlives a call); needs the bwrap program (apt-get install bubblewrap). none: "
         "as this user, unconfined (a warning says so); where bwrap is missing, a tool not declared pure and a "
         "code reward run only with none")
 
@@ -594,7 +595,8 @@ class RewardConfig(Section):
     sandbox_timeout_s: float = Field(
         5.0, ge=MIN_TIMEOUT_S, le=HOUR_S, description="wall clock for rewards that run code")
     sandbox_memory_mb: int = Field(
-        256, ge=MIN_MEMORY_MB, le=MAX_MEMORY_MB, description="address-space cap for rewards that run code")
+        256, ge=MIN_MEMORY_MB, le=MAX_MEMORY_MB, description="address-space cap for rewards that run code; "
+        "the sandbox's processes together are held to it plus 64 MiB by a memory cgroup")
     overlong_buffer_len: int = Field(
         0, ge=0, le=MAX_TOKENS, description="DAPO's overlong reward shaping: a response longer than "
         "rollout.max_new_tokens minus this many tokens loses overlong_penalty_factor x (its excess / this), "
