@@ -19,16 +19,14 @@ not count. No Ray, no torch.distributed: one process, a plain module in place of
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 from engine.batch import Batch
 from engine.config import ActorConfig, RolloutConfig
 from engine.workers.policy import PolicySpec, PolicyWorker
+from tests.engine.bigram import Bigram
 
 V, PAD = 16, 0
 # Three rows, a one-token prompt each, T = 3. Every scoring position reads a distinct input token.
@@ -56,15 +54,6 @@ MEAN_WEIGHTS = {  # what a sequence level taking the mean of the ratios would gi
 }
 
 
-class Bigram(nn.Module):
-    """logits[b, j] = table[input_ids[b, j]]: a causal LM whose logits are free parameters."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.table = nn.Parameter(torch.randn(V, V, generator=torch.Generator().manual_seed(0)))
-
-    def forward(self, input_ids: torch.Tensor, **_: Any) -> SimpleNamespace:
-        return SimpleNamespace(logits=self.table[input_ids])
 
 
 def scoring_logits(table: torch.Tensor) -> torch.Tensor:
@@ -106,7 +95,7 @@ def update_gradient(level: str, mode: str, micro_batch_size: int) -> tuple[torch
                       rollout=RolloutConfig(temperature=1.0, max_new_tokens=3))
     worker = PolicyWorker(spec=spec.model_dump(), run_id="t", role="policy", rank=0, world_size=1,
                           config_hash="t", num_threads=torch.get_num_threads())
-    worker.actor = Bigram()
+    worker.actor = Bigram(V)
     worker.optimizer = torch.optim.SGD(worker.actor.parameters(), lr=0.0)
     table = worker.actor.table.detach().clone()
     grads = worker.gradients(make_batch(table), micro_batch_size=micro_batch_size)

@@ -4,26 +4,16 @@ process, a bigram table in place of the FSDP actor (as tests/engine/test_correct
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-from typing import Any
-
 import pytest
 import torch
-from torch import nn
 
 from engine.batch import Batch
 from engine.workers.policy import PolicySpec, PolicyWorker
+from tests.engine.bigram import Bigram
 
 V, PAD, BETA = 8, 0, 0.1
 
 
-class Bigram(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.table = nn.Parameter(torch.randn(V, V, generator=torch.Generator().manual_seed(1)))
-
-    def forward(self, input_ids: torch.Tensor, **_: Any) -> SimpleNamespace:
-        return SimpleNamespace(logits=self.table[input_ids])
 
 
 def side(responses: list[int], mask: list[int]) -> dict[str, torch.Tensor]:
@@ -38,7 +28,7 @@ def test_the_pair_loss_reads_ipo_logratio(reduce: str) -> None:
                       ipo_logratio=reduce, actor={"share_prompts": False})
     worker = PolicyWorker(spec=spec.model_dump(), run_id="t", role="policy", rank=0, world_size=1, config_hash="t",
                           num_threads=torch.get_num_threads())
-    worker.actor = Bigram()
+    worker.actor = Bigram(V, 1)
     chosen, rejected = side([2, 3, PAD], [1, 1, 0]), side([4, 5, 6], [1, 1, 1])
     ref_c, ref_r = torch.tensor([[-1.0, -3.0, -9.0]]), torch.tensor([[-2.0, -1.5, -2.5]])
     micro = Batch({**chosen, **{f"rejected_{k}": v for k, v in rejected.items()}, "ref_logp": ref_c,

@@ -128,7 +128,8 @@ def test_missing_local_path_is_one_clear_error(tmp_path: Path, monkeypatch: pyte
         load_model(str(tmp_path / "empty"))
 
 
-def test_tiny_is_built_once_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def quick_tiny_builds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """A cache of its own, and tiny builds of 2 warm-start steps: the folders built, in order."""
     monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path / "cache"))
     real_build, builds = tiny.build_tiny, []
 
@@ -137,6 +138,11 @@ def test_tiny_is_built_once_and_cached(tmp_path: Path, monkeypatch: pytest.Monke
         return real_build(out_dir, task, seed, steps=2)
 
     monkeypatch.setattr(tiny, "build_tiny", quick_build)
+    return builds
+
+
+def test_tiny_is_built_once_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    builds = quick_tiny_builds(tmp_path, monkeypatch)
     cfg = ModelConfig(path="tiny", tiny_seed=3)
     first = resolve_model_path(cfg, task="sort")
     tag = kernel_tag(dict(os.environ))
@@ -153,14 +159,7 @@ def test_a_swapped_cache_file_of_the_same_size_and_mtime_is_found(tmp_path: Path
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiny model's cache and the base-model hash cache check contents, not sizes and times (issue 47):
     a weights file swapped for one of the same size and mtime is rebuilt, and its identity hashed again."""
-    monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path / "cache"))
-    real_build, builds = tiny.build_tiny, []
-
-    def quick_build(out_dir: Path, task: str, seed: int, steps: int | None = None) -> tiny.TinyReport:
-        builds.append(out_dir)
-        return real_build(out_dir, task, seed, steps=2)
-
-    monkeypatch.setattr(tiny, "build_tiny", quick_build)
+    builds = quick_tiny_builds(tmp_path, monkeypatch)
     cfg = ModelConfig(path="tiny", tiny_seed=3)
     path = Path(resolve_model_path(cfg, task="sort"))
     weights = path / "model.safetensors"

@@ -13,16 +13,15 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 from engine.batch import Batch
 from engine.errors import ConfigError
 from flows.config import RLConfig, load_config
+from tests.engine.bigram import Bigram
 
 HERE = Path(__file__).resolve().parent
 REWARD = f"reward.function={HERE / 'rewards.py'}:digit_share"
@@ -288,15 +287,6 @@ BEHAVIOUR = [[3.0, 0.3, 1.0], [1.0, 4.0, 1.0], [0.5, 1.0, 1.0]]
 ADV = [[1.0, -2.0, 0.5], [-1.5, 1.0, 0.0], [2.0, 0.0, 0.0]]
 
 
-class Bigram(nn.Module):
-    """logits[b, j] = table[input_ids[b, j]]: a causal LM whose logits are free parameters."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.table = nn.Parameter(torch.randn(V, V, generator=torch.Generator().manual_seed(0)))
-
-    def forward(self, input_ids: torch.Tensor, **_: Any) -> SimpleNamespace:
-        return SimpleNamespace(logits=self.table[input_ids])
 
 
 def update_batch(table: torch.Tensor) -> Batch:
@@ -320,7 +310,7 @@ def gradient(*settings: str) -> torch.Tensor:
     spec = engine_spec(cfg, "t", "unused", "unused").policy
     worker = PolicyWorker(spec=spec.model_dump(), run_id="t", role="policy", rank=0, world_size=1, config_hash="t",
                           num_threads=torch.get_num_threads())
-    worker.actor = Bigram()
+    worker.actor = Bigram(V)
     worker.optimizer = torch.optim.SGD(worker.actor.parameters(), lr=0.0)
     return worker.gradients(update_batch(worker.actor.table.detach()))["table"]
 
