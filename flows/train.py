@@ -17,7 +17,6 @@ from __future__ import annotations
 import atexit
 import hashlib
 import logging
-import math
 import os
 import signal
 import threading
@@ -41,10 +40,10 @@ from flows import pipeline, progress, report, trace
 from flows.config import RLConfig
 from flows.loggers import MetricLoggers, require_packages, run_log_dir
 from flows.plan import OpenRun, open_run, resolve_config
-from infra.buffers import load_ref, read_buffer
+from infra.buffers import load_ref, read_buffer, recorded_metric
 from infra.checkpoints import CheckpointStore, Manifest
 from infra.config import StorageConfig
-from infra.errors import CorruptRecordError, IntegrityError
+from infra.errors import IntegrityError
 from tasks.context import RunPlan, context
 from tasks.faults import maybe_kill_flow
 from tasks.runner import StageTaskRunner
@@ -595,11 +594,8 @@ def _restore_kl(trainer: Trainer) -> None:
         if ref is None:
             raise RuntimeError(f"the adaptive KL controller after iteration {iteration} is recorded in that "
                                "iteration's advantage buffer, and it is not in storage")
-        recorded = read_buffer(store, ref).meta.get("metrics")
-        kl = recorded.get("actor/reward_kl_penalty") if isinstance(recorded, dict) else None
-        if type(kl) not in (int, float) or not math.isfinite(kl):
-            raise CorruptRecordError(f"{ref.uri} records actor/reward_kl_penalty={kl!r}, not a finite number: the "
-                                     f"adaptive KL controller after iteration {iteration} cannot be restored")
+        kl = recorded_metric(store, ref, "actor/reward_kl_penalty",
+                             f"the adaptive KL controller after iteration {iteration} cannot be restored")
         trainer.kl.update(kl, n_steps=cfg.data.train_batch_size * cfg.rollout.n)
 
 

@@ -13,11 +13,13 @@ directly with pandas / pyarrow.
 
 from __future__ import annotations
 
+import math
+
 from pydantic import BaseModel, ConfigDict
 
 from engine.batch import Batch
 from infra import layout
-from infra.errors import IntegrityError, ObjectNotFound
+from infra.errors import CorruptRecordError, IntegrityError, ObjectNotFound
 from infra.records import Count, Sha256, parse_record
 from infra.store import ObjectStore
 
@@ -62,6 +64,17 @@ def read_buffer(store: ObjectStore, ref: BufferRef) -> Batch:
         raise IntegrityError(f"buffer {ref.uri} does not match its reference: sha256 {actual[:12]}… "
                              f"rows {len(batch)}, expected {ref.sha256[:12]}… rows {ref.rows}")
     return batch
+
+
+def recorded_metric(store: ObjectStore, ref: BufferRef, metric: str, why: str) -> float:
+    """A metric the buffer of `ref` records with its rows (meta["metrics"]): a finite number, else
+    CorruptRecordError naming the buffer, the metric and `why` it is needed (whoever writes the bucket
+    writes these too)."""
+    recorded = read_buffer(store, ref).meta.get("metrics")
+    value = recorded.get(metric) if isinstance(recorded, dict) else None
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise CorruptRecordError(f"{ref.uri} records {metric}={value!r}, not a finite number ({why})")
+    return float(value)
 
 
 def load_ref(store: ObjectStore, run_id: str, iteration: int, name: str) -> BufferRef | None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import time
 from typing import Any, cast
 
@@ -32,8 +31,8 @@ from engine.errors import EngineDeadError, NonFiniteError, RewardError, VersionM
 from engine.models.tokens import response_texts
 from engine.rewards import score_batch
 from engine.rewards.shaping import overlong_penalty
-from infra.buffers import BufferRef, load_ref, read_buffer, write_buffer
-from infra.errors import CorruptRecordError, ObjectNotFound
+from infra.buffers import BufferRef, load_ref, read_buffer, recorded_metric, write_buffer
+from infra.errors import ObjectNotFound
 from infra.layout import artifact_key
 from infra.records import parse_metrics
 from tasks.context import RunPlan, StageContext, context
@@ -397,11 +396,7 @@ def recorded_before(ctx: StageContext, iteration: int, buffer: str, metric: str,
     ref = load_ref(ctx.store, ctx.plan.run_id, iteration - 1, buffer)
     if ref is None:
         raise RuntimeError(f"{why}, and that iteration's {buffer} buffer is not in storage")
-    recorded = read_buffer(ctx.store, ref).meta.get("metrics")
-    value = recorded.get(metric) if isinstance(recorded, dict) else None
-    if type(value) not in (int, float) or not math.isfinite(value):
-        raise CorruptRecordError(f"{ref.uri} records {metric}={value!r}, not a finite number ({why})")
-    return float(value)
+    return recorded_metric(ctx.store, ref, metric, why)
 
 
 @graph_stage("generate_baseline")
