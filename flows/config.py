@@ -43,6 +43,7 @@ from engine.errors import ConfigError
 from flows.loggers import LoggerName
 from infra.config import RayConfig, StorageConfig
 from infra.errors import InfraError
+from infra.store import URL_USERINFO, mask_url_credentials
 from tasks.faults import FaultConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_grpo.yaml"
@@ -687,15 +688,12 @@ def text_problem(text: str) -> str | None:
             name = unicodedata.name(char, "a control character")
             return (f"holds U+{ord(char):04X} ({name}): a setting is printable text, without control or "
                     "bidirectional-format characters")
-    if _URL_CREDENTIALS.search(text):
+    if URL_USERINFO.search(text):
         return ("holds credentials in a URL (user:password@): a config is printed, logged and stored with the "
                 "run; give S3 credentials as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment "
                 "or an AWS credentials file")
     return None
 
-
-# scheme://userinfo@host: the userinfo (the URL's authority ends at the first /, ? or #)
-_URL_CREDENTIALS = re.compile(r"(?<=://)[^/?#\s'\"]*@")
 
 
 def _strings(model: type[BaseModel], data: Any, prefix: str) -> Iterator[tuple[str, Any, str]]:
@@ -737,7 +735,7 @@ def _shown(value: Any) -> str:
         text = _REPR.repr(value)
     except ValueError:  # int's repr refuses past sys.get_int_max_str_digits()
         text = f"<an integer of {value.bit_length()} bits>"
-    return _URL_CREDENTIALS.sub("***@", text)
+    return mask_url_credentials(text)
 
 
 _REPR = reprlib.Repr()

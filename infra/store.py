@@ -61,7 +61,9 @@ T = TypeVar("T")
 
 # Local temp files and CAS lock files carry this prefix; listings never show them.
 _HIDDEN_PREFIX = ".rlflow-"
-_URL_USERINFO = re.compile(r"(?<=://)[^/?#]*@")  # scheme://user:password@host
+# scheme://user:password@host: the userinfo (the URL's authority ends at the first /, ? or #; in a repr, at a
+# quote or a space)
+URL_USERINFO = re.compile(r"(?<=://)[^/?#\s'\"]*@")
 _CHUNK = 8 * 2**20
 
 # S3 error codes that mean "try again later". Everything else from the server is permanent.
@@ -74,6 +76,11 @@ _DENIED_CODES = {
     "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
     "AllAccessDisabled", "AccountProblem", "403",
 }  # fmt: skip
+
+
+def mask_url_credentials(text: str) -> str:
+    """`text` with the credentials of every URL in it (user:password@) shown as ***@."""
+    return URL_USERINFO.sub("***@", text)
 
 
 @dataclass(frozen=True)
@@ -149,7 +156,7 @@ class ObjectStore:
     @property
     def endpoint_shown(self) -> str | None:
         """endpoint_url for messages, credentials in it (user:password@, from AWS_ENDPOINT_URL) masked."""
-        return None if self.endpoint_url is None else _URL_USERINFO.sub("***@", self.endpoint_url)
+        return None if self.endpoint_url is None else mask_url_credentials(self.endpoint_url)
 
     # Credentials stay out of repr and pickles (see the module docstring).
     def __repr__(self) -> str:
