@@ -72,7 +72,7 @@ def recorded_metric(store: ObjectStore, ref: BufferRef, metric: str, why: str) -
     writes these too)."""
     recorded = read_buffer(store, ref).meta.get("metrics")
     value = recorded.get(metric) if isinstance(recorded, dict) else None
-    if type(value) not in (int, float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise CorruptRecordError(f"{ref.uri} records {metric}={value!r}, not a finite number ({why})")
     return float(value)
 
