@@ -16,7 +16,6 @@ import hashlib
 import hmac
 import json
 import os
-import secrets
 from pathlib import Path
 from typing import Any
 
@@ -29,37 +28,36 @@ _ALG = "hmac-sha256"
 _DOMAIN = b"rlflow run.json v1\0"
 
 
-def state_home() -> Path:
+def record_key() -> bytes:
+    """This user's record key, made in the state folder on first use."""
+    from infra.stack import ensure_secret_file, private_temp_dir, resolve_home
+
+    return _from_env() or _read(ensure_secret_file(private_temp_dir(resolve_home(), "the state folder", parents=True)
+                                                   / FILE, "the record key"))
+
+
+def existing_record_key() -> bytes | None:
+    """This user's record key, or None when there is none yet (nothing is made)."""
     from infra.stack import resolve_home
 
-    return resolve_home()
+    path = resolve_home() / FILE
+    return _from_env() or (_read(path) if path.exists() else None)
 
 
-def record_key(create: bool = True) -> bytes | None:
-    """This user's record key (made in the state folder on first use when `create`), None when there is none."""
+def _from_env() -> bytes | None:
     text = os.environ.get(ENV)
-    if text is not None:
-        try:
-            key = bytes.fromhex(text.strip())
-        except ValueError:
-            key = b""
-        if len(key) < 32:
-            raise InfraError(f"${ENV} must be 64 or more hex digits (256 bits); it is not (its value is not shown)")
-        return key
-    path = state_home() / FILE
-    if not path.exists():
-        if not create:
-            return None
-        from infra.stack import private_temp_dir
+    if text is None:
+        return None
+    try:
+        key = bytes.fromhex(text.strip())
+    except ValueError:
+        key = b""
+    if len(key) < 32:
+        raise InfraError(f"${ENV} must be 64 or more hex digits (256 bits); it is not (its value is not shown)")
+    return key
 
-        private_temp_dir(path.parent, "the state folder", parents=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:  # another process made it first: read theirs
-            pass
-        else:
-            with os.fdopen(fd, "w") as handle:
-                handle.write(secrets.token_hex(32))
+
+def _read(path: Path) -> bytes:
     try:
         key = bytes.fromhex(path.read_text().strip())
     except (OSError, ValueError) as err:

@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, Any
 
 from infra import layout
 from infra.errors import CorruptRecordError, LeaseError, ObjectNotFound, StoreError
-from infra.record_key import record_key, sign, verify
-from infra.records import LeaseRecord, RunInfoRecord, check_record, load_json, parse_metrics, parse_record
+from infra.record_key import existing_record_key, record_key, sign, verify
+from infra.records import LeaseRecord, RunInfoRecord, check_record, parse_metrics, parse_record
 from infra.store import ObjectInfo, ObjectStore
 
 if TYPE_CHECKING:
@@ -316,18 +316,14 @@ class RunStore:
         if leaked:
             raise StoreError(f"refusing to write {self.url(layout.RUN_JSON)}: keys {leaked} look like "
                              "credentials (pass the config's public_dict())")
-        key = record_key()
-        assert key is not None  # record_key() makes one when there is none
-        info = sign(info, self.run_id, key)  # what a resume may take from it: infra/record_key.py
+        info = sign(info, self.run_id, record_key())  # what a resume may take from it: infra/record_key.py
         self.store.put_bytes(self.key(layout.RUN_JSON), json.dumps(info, indent=2, sort_keys=False).encode())
 
     def read_signed_run_info(self) -> tuple[dict[str, Any], str | None]:
         """run.json (parsed totally, as read_run_info) and None when it is signed for this run with this
         user's record key; else why not (the record then decides nothing: flows/plan.py)."""
-        raw = self.store.get_bytes(self.key(layout.RUN_JSON))
-        url = self.url(layout.RUN_JSON)
-        info = parse_record(RunInfoRecord, raw, url, "run.json").model_dump(exclude_unset=True)
-        return info, verify(load_json(raw, url), self.run_id, record_key(create=False))
+        info = self.read_run_info()
+        return info, verify(info, self.run_id, existing_record_key())
 
     def read_run_info(self) -> dict[str, Any]:
         """run.json, parsed totally (infra.records.RunInfoRecord): CorruptRecordError naming it otherwise."""

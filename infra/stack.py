@@ -436,7 +436,7 @@ class LocalStack:
             PREFECT_SERVER_UI_API_URL=prefect_api_url(port),
             # Locked (module docstring): a credential for every request, a CSRF token for every state
             # change, and CORS for the stack's own UI only.
-            PREFECT_SERVER_API_AUTH_STRING=read_prefect_auth(_ensure_token(prefect_auth_path(self.home),
+            PREFECT_SERVER_API_AUTH_STRING=read_prefect_auth(ensure_secret_file(prefect_auth_path(self.home),
                                                                            "the Prefect API's auth string")),
             PREFECT_SERVER_CSRF_PROTECTION_ENABLED="true",
             PREFECT_SERVER_CORS_ALLOWED_ORIGINS=f"http://{HOST}:{port}",
@@ -453,7 +453,7 @@ class LocalStack:
         env.update(RAY_AUTH_MODE=auth, RAY_USAGE_STATS_ENABLED="0", RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0",
                    DO_NOT_TRACK="1", **_RAY_LOOPBACK, **_RAY_NO_PRESTART)  # fmt: skip
         if auth == "token":
-            env["RAY_AUTH_TOKEN_PATH"] = str(_ensure_token(token_path(self.home)))
+            env["RAY_AUTH_TOKEN_PATH"] = str(ensure_secret_file(token_path(self.home)))
         cmd = [
             _executable("ray"), "start", "--head", "--block", f"--port={port}", f"--node-ip-address={HOST}",
             f"--num-cpus={self.num_cpus}", f"--resources={json.dumps({STAGE_RESOURCE: self.stage_slots})}",
@@ -837,9 +837,10 @@ def _executable(name: str) -> str:
     return found
 
 
-def _ensure_token(path: Path, what: str = "the Ray token") -> Path:
+def ensure_secret_file(path: Path, what: str = "the Ray token") -> Path:
     """A random secret of 256 bits in a 0600 file, made once per state folder: rlflow's own Ray token
-    (never ~/.ray/auth_token: that file switches other Ray heads to token auth), the Prefect API's auth string."""
+    (never ~/.ray/auth_token: that file switches other Ray heads to token auth), the Prefect API's auth string,
+    the record key (infra/record_key.py)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

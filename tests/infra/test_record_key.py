@@ -17,7 +17,7 @@ from engine.errors import ConfigError
 from flows.config import load_config
 from flows.plan import resolve_config, resume_config
 from infra.errors import InfraError
-from infra.record_key import ENV, FILE, record_key, sign, verify
+from infra.record_key import ENV, FILE, existing_record_key, record_key, sign, verify
 from infra.runs import RunStore
 from infra.store import ObjectStore
 
@@ -51,7 +51,7 @@ def tamper(path: Path, key: str, value: object) -> None:
 def test_the_key_file_is_made_once_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.setenv("RLFLOW_HOME", str(tmp_path / "home"))
-    assert record_key(create=False) is None
+    assert existing_record_key() is None
     key = record_key()
     path = tmp_path / "home" / FILE
     assert key is not None and len(key) == 32 and bytes.fromhex(path.read_text()) == key
