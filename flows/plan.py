@@ -135,7 +135,8 @@ def _check_unsigned(run_id: str, saved: dict[str, Any], mine: dict[str, Any], gi
     """ConfigError naming the first setting an unsigned run.json gives otherwise than the user (`mine`, where
     no override in `given` sets it): such a record decides nothing. Left out: the run id (the run's own), the
     storage's place (the user's always), overridden settings (the override is applied over the record) and
-    settings run.json does not hold (written by an older rlflow: the user's apply)."""
+    keys no config has (the config's own check of keys refuses them next). A setting the record does not
+    hold (written by an older rlflow) is the user's: nothing to compare."""
     for key, stored in _leaves(saved):
         if key == "trainer.run_id" or key.removeprefix("storage.") in USER_STORAGE:
             continue
