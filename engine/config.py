@@ -604,6 +604,10 @@ class RewardConfig(Section):
     overlong_penalty_factor: float = Field(
         1.0, ge=0, le=MAX_SCALE, description="the penalty of a response at the length limit (needs "
         "overlong_buffer_len > 0)")
+    format_weight: float = Field(
+        0.0, ge=-MAX_SCALE, le=MAX_SCALE, description="rewards with a format component (reasoning_gym/*): the "
+        "reward is the verifier's score + format_weight x (1 when the response holds a well-formed "
+        "<answer>...</answer>, else 0); refused where no row's reward has a format component")
 
     @field_validator("function", "cost_function")
     @classmethod

@@ -510,6 +510,9 @@ class RLConfig(BaseModel):
         if self.reward.function is not None:
             raise _cross("reward.function", self.reward.function, f"scores responses, and with {side} the "
                          f"{noun} gives the reward")
+        if _differs_from_default(self.reward, "format_weight"):
+            raise _cross("reward.format_weight", self.reward.format_weight, f"weighs a registered reward's format "
+                         f"component, and with {side} the {noun} gives the reward")
         if self.reward.model.path is not None:
             raise _cross("reward.model.path", self.reward.model.path, f"reads the data's prompt, and with {side} "
                          f"an episode's prompt is the {noun}'s: a reward model beside it is not built")

@@ -281,7 +281,10 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
         check_same_base(runs, run_id, identity)
     stages_for(cfg)  # refuses a stage that reads a column nobody writes
     if cfg.rollout.episodes is None and not sft:  # with an environment or an agent, that gives the reward
+        from engine.rewards.registry import check_format_weight  # imported only when checking
+
         check_reward(train, cfg.reward)
+        check_format_weight(cfg.reward, [r.data_source for d in (train, val) if d is not None for r in d.rows])
     if cfg.reward.cost_function is not None:  # safe RL's cost is scored as a reward is
         check_reward(train, cfg.reward.model_copy(update={"function": cfg.reward.cost_function,
                                                           "overlong_buffer_len": 0}))

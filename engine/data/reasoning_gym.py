@@ -153,6 +153,7 @@ def make_reasoning_gym_rows(
     options = check_options(task, options or {})
     size = n + val_n * VAL_TRIES_PER_ROW
     dataset = build_dataset(task, options, seed=seed, size=size)
+    _check_round_trip(dataset, task, _entry(dataset, task, options, 0))
     text = json.dumps(options, sort_keys=True)
 
     def row(index: int, split: str) -> dict[str, Any]:
@@ -161,7 +162,6 @@ def make_reasoning_gym_rows(
                                        "split": split})
 
     train = [row(i, "train") for i in range(n)]
-    _check_round_trip(dataset, task, json.loads(train[0]["extra_info"]["entry"]), _entry(dataset, task, options, 0))
     seen = {r["prompt"][0]["content"] for r in train}
     val: list[dict[str, Any]] = []
     for index in range(n, size):
@@ -230,9 +230,10 @@ def _entry(dataset: Any, task: str, options: Mapping[str, Any], index: int) -> d
     return dict(entry)
 
 
-def _check_round_trip(dataset: Any, task: str, stored: dict[str, Any], made: dict[str, Any]) -> None:
+def _check_round_trip(dataset: Any, task: str, made: dict[str, Any]) -> None:
     """The verifier must score an answer against the stored (JSON) entry as against the one made: arc_agi
     and rearc compare tuples in their metadata, which JSON turns into lists."""
+    stored = json.loads(json.dumps(made))
     answer = made.get("answer")
     answer = answer if isinstance(answer, str) else ""
     try:

@@ -8,6 +8,10 @@ A data_source picks its reward by exact name first, then by the longest register
 `default_compute_score` dispatches on exact names). `reward.function` replaces the registry with one
 custom row reward for every row, as verl's `custom_reward_function` does.
 
+A reward with a format component (`RewardSpec.format_component`, reasoning_gym's) returns its "format"
+(1.0 when the response is in the asked format, else 0.0) beside its "score"; the registry adds
+`reward.format_weight` x format to the score.
+
 A reward that raises, or returns NaN, inf or anything but a number (or a dict with a numeric "score"),
 fails with a RewardError naming the reward, the data_source, the row and the value: a broken reward must
 stop the stage, never turn into a silent 0 that the policy then learns from.
@@ -18,15 +22,16 @@ from __future__ import annotations
 import math
 import numbers
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import RewardConfig
-from engine.errors import RewardError
+from engine.errors import ConfigError, RewardError
 from engine.imports import load_object
 from engine.rewards.math_answer import math_score
 from engine.rewards.python_expr import python_expr_reward
+from engine.rewards.reasoning_gym import reasoning_gym_reward
 from engine.rewards.rules import exact_match_score, format_score, gsm8k_score, sort_score
 from engine.rewards.types import BatchReward, RewardItem, RowFailure, RowReward, SandboxLimits, per_row
 
@@ -39,6 +44,8 @@ class RewardSpec:
     fn: BatchReward
     sources: tuple[str, ...] = ()  # exact data_source names
     prefixes: tuple[str, ...] = ()  # data_source prefixes, e.g. "math/"
+    # Its results carry "format" (0.0 or 1.0), which reward.format_weight weighs into the score.
+    format_component: bool = False
 
 
 REWARDS: dict[str, RewardSpec] = {}
@@ -72,6 +79,7 @@ for _spec in (
     RewardSpec("format", per_row(format_score), ("rlflow/format",), ("format/",)),
     RewardSpec("sort", per_row(sort_score), ("rlflow/sort",), ("sort/",)),
     RewardSpec("python_expr", python_expr_reward, ("rlflow/countdown",), ("countdown/", "python_expr/")),
+    RewardSpec("reasoning_gym", reasoning_gym_reward, (), ("reasoning_gym/",), format_component=True),
 ):
     register_reward(_spec)
 
@@ -148,7 +156,33 @@ def score_batch(
         raw = _call_reward(spec, [items[i] for i in rows], rows, SandboxLimits.from_config(cfg), row_offset)
         for i, value in zip(rows, raw):
             scores[i], info[i] = _as_score(value, spec.name, items[i].data_source, row_offset + i)
+            if spec.format_component:
+                scores[i] += cfg.format_weight * _format_value(info[i], spec.name, items[i].data_source,
+                                                               row_offset + i)
     return RewardBatch(scores, info)
+
+
+def check_format_weight(cfg: RewardConfig, data_sources: Iterable[str]) -> None:
+    """reward.format_weight other than 0 is refused where it would change nothing: reward.function replaces
+    the registry, or no data_source's reward has a format component."""
+    if not cfg.format_weight:
+        return
+    if cfg.function is not None:
+        raise ConfigError(f"reward.format_weight={cfg.format_weight} weighs a registered reward's format component, "
+                          f"and reward.function={cfg.function} replaces the registry: leave it at 0")
+    names = sorted({resolve_reward(source).name for source in set(data_sources)})
+    if not any(REWARDS[name].format_component for name in names):
+        having = ", ".join(p + "*" for spec in REWARDS.values() if spec.format_component for p in spec.prefixes)
+        raise ConfigError(f"reward.format_weight={cfg.format_weight} weighs a reward's format component, and the "
+                          f"data's rewards ({', '.join(names)}) have none (those of {having} have): leave it at 0")
+
+
+def _format_value(info: Mapping[str, Any], reward: str, data_source: str, row: int) -> float:
+    value = info.get("format")
+    if isinstance(value, bool) or value not in (0, 1):
+        raise RewardError(f"reward {reward!r} for data_source {data_source!r} returned format {_short(value)} at row "
+                          f"{row}; a reward with a format component returns 0.0 or 1.0 under 'format'")
+    return float(value)
 
 
 def _group_rows(

@@ -237,6 +237,9 @@ BAD_CONFIG = {
                                          "actor.lora.modules_to_save: 'nope' is not a module"),
     "export-merged-without-lora": (["trainer.export_merged=true"], "trainer.export_merged"),
     "critic-lora-without-critic": (["critic.lora.rank=4"], "critic.lora.rank"),
+    # refused by flows.plan.check_inputs, where the data's rewards are known
+    "format-weight-without-a-format-reward": (["reward.format_weight=0.5"], "reward.format_weight=0.5 weighs a "
+                                              "reward's format component, and the data's rewards (gsm8k) have none"),
     # issue 47: a traceback at engine setup (torch.manual_seed) and at the first retry (Prefect's delay) on c4b7975
     "seed-past-torch": ([f"trainer.seed={2**100}"], f"trainer.seed={2**100} is not allowed: must be an integer in "
                                                    f"[0, {2**63 - 1}]"),

@@ -249,6 +249,8 @@ EFFECTS: dict[str, Run | Refused | AtStart | Asserted] = {
     "reward.sandbox_memory_mb": Asserted(f"{FE}::test_sandboxed_code_runs_under_the_reward_settings"),
     "reward.overlong_buffer_len": Asserted("tests/pipeline/test_algorithms.py::test_overlong_shaping_is_in_the_scores"),
     "reward.overlong_penalty_factor": Refused("0.5"),
+    "reward.format_weight": Asserted("tests/rewards/test_reasoning_gym_reward.py::"
+                                     "test_right_wrong_and_no_answer_with_and_without_the_format_weight"),
     "trainer.project": Refused("other"),
     "trainer.run_id": Asserted("tests/ops/test_credentials.py::test_secret_not_in_prefect"),
     "trainer.total_iterations": Run("2"),
