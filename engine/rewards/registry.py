@@ -29,6 +29,7 @@ from typing import Any
 from engine.config import RewardConfig
 from engine.errors import ConfigError, RewardError
 from engine.imports import load_object
+from engine.rewards.humaneval import humaneval_reward
 from engine.rewards.math_answer import math_score
 from engine.rewards.python_expr import python_expr_reward
 from engine.rewards.reasoning_gym import reasoning_gym_reward
@@ -80,6 +81,7 @@ for _spec in (
     RewardSpec("sort", per_row(sort_score), ("rlflow/sort",), ("sort/",)),
     RewardSpec("python_expr", python_expr_reward, ("rlflow/countdown",), ("countdown/", "python_expr/")),
     RewardSpec("reasoning_gym", reasoning_gym_reward, (), ("reasoning_gym/",), format_component=True),
+    RewardSpec("humaneval", humaneval_reward, (), ("humaneval/",)),
 ):
     register_reward(_spec)
 

@@ -11,6 +11,7 @@ from engine.errors import DataError
 
 REASONING_GYM = "reasoning-gym:"
 HUMANEVAL = "humaneval"
+DEFAULTS = {"n": 2000, "val_n": 128, "seed": 0}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,9 +27,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     make.add_argument("task", metavar="TASK",
                       help=f"one of {', '.join(TASKS)}; {REASONING_GYM}TASK; {HUMANEVAL}")
     make.add_argument("out_dir", metavar="OUT_DIR")
-    make.add_argument("--n", type=int, default=2000, help="train rows (default 2000)")
-    make.add_argument("--val-n", type=int, default=128, help="validation rows (default 128)")
-    make.add_argument("--seed", type=int, default=0)
+    # None: not given (humaneval refuses them); the defaults below apply to the other tasks.
+    make.add_argument("--n", type=int, default=None, help=f"train rows (default {DEFAULTS['n']})")
+    make.add_argument("--val-n", type=int, default=None, help=f"validation rows (default {DEFAULTS['val_n']})")
+    make.add_argument("--seed", type=int, default=None, help=f"(default {DEFAULTS['seed']})")
     make.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                       help="a reasoning-gym task's option (repeatable); the value is read as YAML: 3, true, [+, -]")
     make.set_defaults(func=_make)
@@ -40,6 +42,19 @@ def _make(args: argparse.Namespace) -> int:
     # Every refusal (an unknown task, a bad count, options a task refuses) raises DataError, which the CLI
     # prints as one line, before anything is written.
     task: str = args.task
+    if task == HUMANEVAL:  # the 164 problems, all of them, as validation
+        given = [f"--{k.replace('_', '-')}" for k in DEFAULTS if getattr(args, k) is not None] + \
+            ["--option"] * bool(args.option)
+        if given:
+            raise DataError(f"{given[0]} is not a setting of humaneval: its 164 problems are written as "
+                            "val.parquet, all of them, in their own order")
+        from engine.data.humaneval import make_humaneval_file
+
+        print(make_humaneval_file(args.out_dir))
+        return 0
+    for key, value in DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if task.startswith(REASONING_GYM):
         from engine.data.reasoning_gym import make_reasoning_gym_files, parse_options
 
