@@ -265,6 +265,10 @@ def check_inputs(cfg: RLConfig, run_id: str, *, resume: bool) -> CheckedInputs:
         raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} is larger than the training set "
                           f"({len(train)} {'rows' if sft else 'prompts'} after filtering): lower it or add data")
     engine = engine_spec(cfg, run_id, model_path, tokenizer_path)
+    if cfg.ray.address is None:  # the local stack: every rank runs on this machine (an external cluster: its own)
+        from engine.workers.memory import check_memory
+
+        check_memory(engine.policy, engine.critic, world_size=engine.world_size, rollout_ranks=engine.rollout_ranks)
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():  # the CLI checks again once the stack is up; a flow run has Ray
         from engine.engine import check_fits

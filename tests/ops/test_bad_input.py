@@ -196,6 +196,19 @@ def test_a_teacher_with_another_tokenizer(offline: Offline, tmp_path: Path) -> N
                           "tokenizer"), error
 
 
+def test_a_model_too_large_for_this_machine(offline: Offline, tmp_path: Path) -> None:
+    """Llama 2 70B's config.json (no weights): the engine's memory, estimated from it, is refused in one line
+    with the figures, before the stack and any rank start (engine/workers/memory.py)."""
+    from tests.engine.test_memory_estimate import LLAMA_70B
+
+    huge = tmp_path / "llama-70b"
+    huge.mkdir()
+    (huge / "config.json").write_text(json.dumps(LLAMA_70B))
+    error, _ = offline.train(f"model.path={huge}", f"model.tokenizer_path={offline.model}")
+    assert error.startswith("rlflow: error: the engine would need at least "), error
+    assert "; this machine has " in error and "or choose a smaller model.path" in error, error
+
+
 # --------------------------------------------------------------------------------------- rewards
 
 REWARDS = '''
