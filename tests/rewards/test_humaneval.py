@@ -38,8 +38,11 @@ def scored(indices: list[int], responses: list[str], **reward: Any) -> tuple[lis
 
 
 def whole_function(i: int, body: str) -> str:
-    """A chat answer: the whole function (the prompt's stub with a body) in a ```python block."""
-    return f"Here it is:\n```python\n{PROBLEMS[i]['prompt']}{body}```\nIt loops over the pairs."
+    """A chat answer: the function alone (from its `def`, without the prompt's imports and helpers, which
+    problems 32 and 38 need) with a body, in a ```python block."""
+    prompt = PROBLEMS[i]["prompt"]
+    function = prompt[prompt.index(f"def {PROBLEMS[i]['entry_point']}("):]
+    return f"Here it is:\n```python\n{function}{body}```\nIt loops over the pairs."
 
 
 def test_canonical_solutions_pass_and_wrong_bodies_fail() -> None:
