@@ -14,7 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 TYPED = ["engine/algos", "engine/batch.py", "engine/config.py", "engine/rewards", "engine/data",
-         "engine/models/__init__.py", "engine/models/loading.py", "engine/models/tokens.py", "engine/demo/tiny.py", "engine/cpu_kernels.py", "engine/_dists.py", "engine/rollout/__init__.py", "engine/rollout/backends.py", "engine/rollout/base.py", "engine/rollout/hf.py", "engine/rollout/vllm.py", "engine/rollout/tools.py", "engine/models/lora.py", "infra", "flows/loggers.py",
+         "engine/models/__init__.py", "engine/models/loading.py", "engine/models/tokens.py", "engine/demo/tiny.py", "engine/cpu_kernels.py", "engine/_dists.py", "engine/rollout/__init__.py", "engine/rollout/backends.py", "engine/rollout/base.py", "engine/rollout/hf.py", "engine/rollout/vllm.py", "engine/rollout/tools.py", "engine/models/lora.py", "engine/models/gguf_import.py", "engine/models/fetch.py", "engine/workers/memory.py", "infra", "flows/loggers.py",
          "tasks/runner.py"]
 
 
