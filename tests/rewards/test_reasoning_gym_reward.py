@@ -3,6 +3,7 @@ reward.format_weight x the format component; refused where nothing has a format 
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
@@ -98,3 +99,26 @@ def test_a_format_weight_that_would_change_nothing_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"reward.format_weight.*with rollout.env the environment gives the reward"):
         load_config(None, ["reward.format_weight=0.5", "rollout.multi_turn.enable=true",
                            "rollout.env=engine.rollout.builtin_envs:GuessNumber"])
+
+
+def test_a_run_without_reasoning_gym_is_refused_before_it_starts(chain_sum_row: dict[str, Any],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`rlflow train` on reasoning-gym rows where the package is missing: the reward check before the run
+    (flows.plan.check_reward) fails in one line naming the extra."""
+    from engine.data.prompts import PromptDataset, PromptRow
+    from engine.rewards.reasoning_gym import task_dataset
+    from flows.plan import check_reward
+
+    row = PromptRow(chain_sum_row["prompt"], chain_sum_row["data_source"], chain_sum_row["reward_model"]["ground_truth"],
+                    chain_sum_row["extra_info"], origin="train.parquet:0")
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # `import reasoning_gym` raises ImportError
+    task_dataset.cache_clear()  # built by the tests above in this process
+    with pytest.raises(RewardError) as refused:
+        check_reward(PromptDataset([row], ["train.parquet"]), RewardConfig())
+    task_dataset.cache_clear()
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith("reward check before the run, an empty response on train rows "
+                                                "train.parquet:0: reward 'reasoning_gym' for data_source "
+                                                "'reasoning_gym/chain_sum' raised at row 0: DataError: reasoning-gym "
+                                                "tasks need the reasoning-gym package, which is not installed"), line
+    assert line.endswith("install it with: pip install -e '.[reasoning-gym]' (reasoning-gym==0.1.25)"), line
