@@ -60,9 +60,14 @@ def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    from engine.models.loading import ModelLoadError, first_line
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot size the model {path!r} from its config: {first_line(err)}") from err
     vocab = int(model.get_output_embeddings().weight.shape[0])
     return ModelShape(parameters=int(model.num_parameters()), vocab_size=vocab)
 
