@@ -19,8 +19,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     stop.set_defaults(func=_stop)
 
 
-def connect(address: str | None) -> None:
-    """Join the Ray cluster as a driver: --address, RAY_ADDRESS, or the local stack's head."""
+def connect(address: str | None) -> bool:
+    """Join the Ray cluster as a driver: --address, RAY_ADDRESS, or the local stack's head. True when this
+    call joined (the command leaves again at its end); False when this process already is a driver of that
+    cluster (a process that ran `rlflow train` before, as tests/warm_cli.py's): its connection is used as
+    it is, and kept."""
     import ray
 
     from engine.errors import EngineError
@@ -29,10 +32,26 @@ def connect(address: str | None) -> None:
     target = address or os.environ.get("RAY_ADDRESS") or _stack_address()
     if not target:
         raise EngineError("no Ray cluster to connect to: start one with `rlflow up`, or pass --address")
+    if ray.is_initialized():
+        current = ray.get_runtime_context().gcs_address
+        if current != target:
+            raise EngineError(f"this process is a driver of the Ray cluster at {current}, not of {target}: "
+                              "run `rlflow engine` in a process of its own")
+        return False
     try:
         ray.init(address=target, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
     except ConnectionError as err:
         raise EngineError(f"cannot reach the Ray cluster at {target}: {err}") from None
+    return True
+
+
+def _leave(joined: bool) -> None:
+    """Leave the cluster that `connect` joined, so that a later command of this process (a run) joins it
+    with its own settings."""
+    if joined:
+        import ray
+
+        ray.shutdown()
 
 
 def _stack_address() -> str | None:
@@ -48,15 +67,23 @@ def _stack_address() -> str | None:
 
 
 def _list(args: argparse.Namespace) -> int:
+    from engine.workers.group import engine_namespaces
+
+    joined = connect(args.address)
+    try:
+        return _print_engines(engine_namespaces())
+    finally:
+        _leave(joined)
+
+
+def _print_engines(spaces: dict[str, list[str]]) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from engine.workers.group import NAMESPACE, engine_namespaces, list_engines
+    from engine.workers.group import NAMESPACE, list_engines
 
-    connect(args.address)
-    spaces = engine_namespaces()
-    for run_id, roles in _leftovers(spaces).items():
-        print(f"{run_id}: placement group(s) of {', '.join(roles)} without a live rank hold CPUs "
+    for run_id, held in _leftovers(spaces).items():
+        print(f"{run_id}: placement group(s) of {', '.join(held)} without a live rank hold CPUs "
               f"(`rlflow engine stop {run_id}` frees them)")
     if not spaces:
         print("no live engines")
@@ -98,6 +125,18 @@ def _rank_nodes(run_id: str, role: str, namespace: str) -> str:
 
 def _stop(args: argparse.Namespace) -> int:
     from engine.errors import EngineError
+
+    if bool(args.run_id) == args.all:
+        raise EngineError("rlflow engine stop: give a run id or --all (not both)")
+    joined = connect(args.address)
+    try:
+        return _stop_engines(None if args.all else args.run_id)
+    finally:
+        _leave(joined)
+
+
+def _stop_engines(run_id: str | None) -> int:
+    """Stop the engine of `run_id`, or every engine (None)."""
     from engine.workers.group import (
         NAMESPACE,
         check_run_id,
@@ -106,20 +145,17 @@ def _stop(args: argparse.Namespace) -> int:
         stop_engine,
     )
 
-    if bool(args.run_id) == args.all:
-        raise EngineError("rlflow engine stop: give a run id or --all (not both)")
-    connect(args.address)
     spaces = engine_namespaces()  # every namespace: a run's ray.namespace is not known here
-    for run_id in engine_placement_groups():  # a run whose ranks are all dead still holds its CPUs
-        spaces.setdefault(run_id, [NAMESPACE])
-    if args.all:
-        for run_id, namespaces in sorted(spaces.items()):
-            roles = sorted({role for ns in namespaces for role in stop_engine(run_id, ns)})
-            print(f"stopped {run_id}: {', '.join(roles)}")
+    for found in engine_placement_groups():  # a run whose ranks are all dead still holds its CPUs
+        spaces.setdefault(found, [NAMESPACE])
+    if run_id is None:
+        for found, namespaces in sorted(spaces.items()):
+            roles = sorted({role for ns in namespaces for role in stop_engine(found, ns)})
+            print(f"stopped {found}: {', '.join(roles)}")
         if not spaces:
             print("no live engines")
         return 0
-    run_id = check_run_id(args.run_id)
+    run_id = check_run_id(run_id)
     roles = sorted({role for ns in spaces.get(run_id, []) for role in stop_engine(run_id, ns)})
     print(f"stopped {run_id}: {', '.join(roles)}" if roles else f"no live engine for run {run_id!r}")
     return 0 if roles else 1

@@ -181,7 +181,7 @@ def test_failed_then_killed_async_run_resumes_like_the_uninterrupted_one(cli: Cl
     assert any("iter_000004/rollout" in k for k in before)  # generated while iteration 3 ran
     killed = cli("train", "--resume", "async-fail", f"storage.root={tmp_path}", REWARD, *KILL_AFTER_UPDATE_3)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert cli("engine", "stop", "async-fail").returncode == 0
+    assert warm_cli("engine", "stop", "async-fail").returncode == 0
     # killed by the resume, after iteration 3's update and before its commit
     assert (tmp_path / "async-fail" / "debug" / "killed_after_update_policy_000003").exists()
     assert metrics_done(tmp_path, "async-fail") == [1, 2]

@@ -108,7 +108,7 @@ def test_failed_then_killed_dynamic_sampling_run_resumes_like_the_uninterrupted_
     assert any("iter_000002/rollout" in k for k in before)
     killed = cli("train", "--resume", "ds-fail", f"storage.root={tmp_path}", *KILL_AFTER_UPDATE_2)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert cli("engine", "stop", "ds-fail").returncode == 0
+    assert warm_cli("engine", "stop", "ds-fail").returncode == 0
     # killed by the resume, after iteration 2's update and before its commit
     assert (tmp_path / "ds-fail" / "debug" / "killed_after_update_policy_000002").exists()
     assert metrics_done(tmp_path, "ds-fail") == [1]

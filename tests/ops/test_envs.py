@@ -134,7 +134,7 @@ def test_failed_then_killed_run_resumes_like_the_uninterrupted_one(
     # the environment or agent is code: given again on every resume (run.json never chooses it)
     killed = cli("train", "--resume", "env-fail", f"storage.root={tmp_path}", *side[:2], *KILL_AFTER_UPDATE_2)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert cli("engine", "stop", "env-fail").returncode == 0
+    assert warm_cli("engine", "stop", "env-fail").returncode == 0
     after_kill = buffers(tmp_path, "env-fail")
     assert all(after_kill[k] == v for k, v in before.items())  # the failed iteration's episodes were reused
     again = warm_cli("train", "--resume", "env-fail", f"storage.root={tmp_path}", *side[:2])

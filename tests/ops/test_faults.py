@@ -85,7 +85,7 @@ def assert_reused(root: Path, run_id: str, iteration: int) -> None:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def zombie(cli: Cli, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> float:
+def zombie(cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> float:
     """A run whose flow process is SIGKILLed and that nothing resumes, started before the module's other
     tests so that its heartbeat window (flows/liveness.WINDOW_S, 180 s) passes while they run (its check
     comes before the test that restarts the Prefect server: a restart within the window loses the pending
@@ -95,7 +95,7 @@ def zombie(cli: Cli, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFact
     proc = cli("train", *args(tiny_model_dir, str(tmp_path_factory.mktemp("zombie")), "zombie",
                               "debug.kill_flow_after=generate_rollouts", "debug.kill_iteration=2"))
     died = time.monotonic()
-    stopped = cli("engine", "stop", "zombie")
+    stopped = warm_cli("engine", "stop", "zombie")
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert stopped.returncode == 0, stopped.stderr[-2000:]
     return died
@@ -165,7 +165,7 @@ def test_flow_process_killed_then_resumed_from_storage_past_a_corrupted_shard(
     first = cli("train", *args(tiny_model_dir, str(tmp_path), "corrupt", "debug.kill_flow_after=generate_rollouts",
                                "debug.kill_iteration=3"))
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
-    assert cli("engine", "stop", "corrupt").returncode == 0  # so the resume has to restore from storage
+    assert warm_cli("engine", "stop", "corrupt").returncode == 0  # so the resume has to restore from storage
     before = buffers(tmp_path, "corrupt")
     shard = sorted((tmp_path / "corrupt" / "checkpoints" / "step_000002" / "policy").glob("*.distcp"))[0]
     data = bytearray(shard.read_bytes())
@@ -320,7 +320,7 @@ def test_lora_rank_killed_then_flow_killed_and_resumed_on_a_new_engine(cli: Cli,
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
     logs = first.stdout + first.stderr
     assert "iteration 2: the engine failed" in logs and "restored checkpoint step 1" in logs, logs[-3000:]
-    stopped = cli("engine", "stop", "lora-kill")
+    stopped = warm_cli("engine", "stop", "lora-kill")
     assert stopped.returncode == 0, stopped.stderr[-2000:]
     resumed = warm_cli("train", "--resume", "lora-kill", f"storage.root={tmp_path}", REWARD)
     assert resumed.returncode == 0, resumed.stderr[-4000:]

@@ -183,7 +183,7 @@ def test_failed_then_killed_vllm_run_resumes_like_the_uninterrupted_one(
     before = buffers(tmp_path, "vllm-fail")
     killed = cli("train", "--resume", "vllm-fail", f"storage.root={tmp_path}", *TOOL, *KILL_AFTER_UPDATE_2)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert cli("engine", "stop", "vllm-fail").returncode == 0
+    assert warm_cli("engine", "stop", "vllm-fail").returncode == 0
     # killed by the resume, after iteration 2's update and before its commit
     assert (tmp_path / "vllm-fail" / "debug" / "killed_after_update_policy_000002").exists()
     assert metrics_done(tmp_path, "vllm-fail") == [0, 1]

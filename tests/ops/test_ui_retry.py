@@ -82,7 +82,7 @@ def server(cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path, root: Path, tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     with serving(cli, [name], tmp_path_factory.mktemp("serve-home")) as served:
         yield served
-    cli("engine", "stop", name)
+    warm_cli("engine", "stop", name)
 
 
 def failed_run(prefect: Any, server: Server, name: str, root: Path) -> tuple[Any, tuple[int, bytes]]:

@@ -138,7 +138,7 @@ def test_a_worker_executes_a_run_and_its_retry_reuses_finished_stages(
             done = wait_for(prefect, run.id, lambda s: s.is_final() and s.name != "AwaitingRetry", running)
             assert done.state.is_completed(), f"{done.state.name}: {done.state.message}\n{running.tail()}"
     finally:
-        cli("engine", "stop", "pooled")
+        warm_cli("engine", "stop", "pooled")
     assert done.run_count == 2
     retried = subflow_runs(prefect, run.id)[-1]
     iteration = [r for r in subflow_runs(prefect, retried.id) if r.name == "iter-000002"]

@@ -551,8 +551,8 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def runs(warm_cli: object, cli: object, inputs: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    return Runs(warm_cli, inputs, tmp_path_factory.mktemp("every-field-runs"), cli)
+def runs(warm_cli: object, inputs: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    return Runs(warm_cli, inputs, tmp_path_factory.mktemp("every-field-runs"), warm_cli)
 
 
 def differences(a: dict[str, str], b: dict[str, str]) -> list[str]:

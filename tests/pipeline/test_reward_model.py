@@ -139,7 +139,7 @@ def test_reward_model_workers_restart_and_survive_their_controller(cli: Cli, war
     assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
     logs = first.stdout + first.stderr
     assert "iteration 2: the engine failed" in logs, logs[-3000:]  # the restart (its metrics line died with it)
-    listed = cli("engine", "list")
+    listed = warm_cli("engine", "list")
     assert "rm-kill" in listed.stdout and "reward_model" in listed.stdout, listed.stdout
     before = buffers(tmp_path, "rm-kill")
     resumed = warm_cli("train", "--resume", "rm-kill", f"storage.root={tmp_path}", REWARD)  # not the killed process
