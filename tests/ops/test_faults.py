@@ -127,14 +127,15 @@ def test_hung_rank_mid_update_is_restarted(warm_cli: WarmCli, tiny_model_dir: Pa
                                            reference: dict) -> None:
     """Rank 1 stops itself (SIGSTOP) after its first backward of iteration 2: alive, but hung, and rank
     0 blocks in the gradient collective. After the update stage's timeout (trainer.stage_timeouts, here
-    20 s; the other stages keep the default) the engine is declared hung,
-    stopped, restarted, restored and replayed; the iteration runs again reusing its finished stages."""
+    10 s: a healthy update of this run takes ~1 s; 20 s until 2026-12-07, all of it waiting; the other
+    stages keep the default) the engine is declared hung, stopped, restarted, restored and replayed; the
+    iteration runs again reusing its finished stages."""
     start = time.monotonic()
     proc = warm_cli("train", *args(tiny_model_dir, str(tmp_path), "hung", "debug.stop_rank_mid_update=1",
-                              "debug.kill_iteration=2", "trainer.stage_timeouts={update_policy: 20}"))
+                              "debug.kill_iteration=2", "trainer.stage_timeouts={update_policy: 10}"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     logs = proc.stdout + proc.stderr
-    assert ("iteration 2: the engine failed (rank(s) [0, 1] made no progress in update_actor for 20 s "
+    assert ("iteration 2: the engine failed (rank(s) [0, 1] made no progress in update_actor for 10 s "
             "(trainer.stage_timeouts.update_policy): declared hung); restart 1 of 2") in logs, logs[-3000:]
     line = json.loads((tmp_path / "hung" / "metrics" / "iter_000002.json").read_text())
     assert line["engine/restarts"] == 1 and line["engine/hung_restarts"] == 1 and line["engine/restart_s"] > 0
