@@ -16,7 +16,14 @@ One row:
 entry read back from its JSON text. Entry `index` is `reasoning_gym.create_dataset(task, seed=seed,
 size=size, **options)[index]`, so a row can be checked against the library by hand.
 
-Train and validation come from one dataset: train is indices 0..n-1, validation the next indices whose
+`shots=K` puts K worked examples of the same task before the question, as earlier turns of the chat
+(the example's question with the instruction, then `<answer>its answer</answer>` as the assistant's
+reply): the same K for every row, taken from the dataset's last indices, so their questions are in neither
+split. A small instruct model rarely writes the tags from the instruction alone (SmolLM2-135M-Instruct:
+0 of 64 on chain_sum); after two examples nearly every response has them (docs/results.md).
+
+Train and validation come from one dataset: train is indices 0..n-1 (past any whose question is a worked
+example's), validation the next indices whose
 question is neither a train question nor an earlier validation one (a task with few distinct questions is
 refused when it cannot give `val_n` of them), so the two never share a question. reasoning-gym seeds
 entry i with `seed + i`: runs with seeds S and S+1 share most of their entries; use seeds far apart.
@@ -139,8 +146,12 @@ def build_dataset(task: str, options: Mapping[str, Any], *, seed: int, size: int
         raise DataError(f"reasoning-gym task {task!r} refuses {_named(options)}: {_reason(err)}") from None
 
 
+# At most this many worked examples before each question.
+MAX_SHOTS = 8
+
+
 def make_reasoning_gym_rows(
-    task: str, *, n: int, val_n: int, seed: int, options: Mapping[str, Any] | None = None
+    task: str, *, n: int, val_n: int, seed: int, options: Mapping[str, Any] | None = None, shots: int = 0,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """`n` train and `val_n` validation rows of a reasoning-gym task (module docstring); the same rows for
     the same arguments. Every refusal happens here, before a file is written."""
@@ -148,27 +159,39 @@ def make_reasoning_gym_rows(
         raise DataError(f"row counts must be positive, got n={n}, val_n={val_n}")
     if seed < 0:
         raise DataError(f"--seed must be 0 or more for reasoning-gym tasks, got {seed}")
+    if not 0 <= shots <= MAX_SHOTS:
+        raise DataError(f"--shots must be in 0..{MAX_SHOTS} (worked examples before each question), got {shots}")
     import_reasoning_gym()
     check_task(task)
     options = check_options(task, options or {})
-    size = n + val_n * VAL_TRIES_PER_ROW
+    size = n + val_n * VAL_TRIES_PER_ROW + shots * VAL_TRIES_PER_ROW
     dataset = build_dataset(task, options, seed=seed, size=size)
     _check_round_trip(dataset, task, _entry(dataset, task, options, 0))
     text = json.dumps(options, sort_keys=True)
+    examples = _worked_examples(dataset, task, options, size, shots)
 
     def row(index: int, split: str) -> dict[str, Any]:
         entry = _entry(dataset, task, options, index)
-        return entry_row(task, entry, {"task": task, "options": text, "seed": seed, "size": size, "index": index,
-                                       "split": split})
+        made = entry_row(task, entry, {"task": task, "options": text, "seed": seed, "size": size, "index": index,
+                                       "split": split, "shots": shots})
+        made["prompt"] = examples + made["prompt"]
+        return made
 
-    train = [row(i, "train") for i in range(n)]
-    seen = {r["prompt"][0]["content"] for r in train}
+    asked = {example["content"] for example in examples if example["role"] == "user"}
+    train: list[dict[str, Any]] = []
+    next_index = 0
+    while len(train) < n and next_index < size:  # a train question is never a worked example's (rare)
+        made = row(next_index, "train")
+        next_index += 1
+        if made["prompt"][-1]["content"] not in asked:
+            train.append(made)
+    seen = {r["prompt"][-1]["content"] for r in train} | asked
     val: list[dict[str, Any]] = []
-    for index in range(n, size):
+    for index in range(next_index, size - shots * VAL_TRIES_PER_ROW):
         if len(val) == val_n:
             break
         candidate = row(index, "val")
-        question = candidate["prompt"][0]["content"]
+        question = candidate["prompt"][-1]["content"]
         if question not in seen:
             seen.add(question)
             val.append(candidate)
@@ -195,15 +218,34 @@ def entry_row(task: str, entry: Mapping[str, Any], extra: Mapping[str, Any]) -> 
 
 def make_reasoning_gym_files(
     task: str, out_dir: str | os.PathLike[str], *, n: int, val_n: int, seed: int,
-    options: Mapping[str, Any] | None = None,
+    options: Mapping[str, Any] | None = None, shots: int = 0,
 ) -> tuple[Path, Path]:
     """Write train.parquet and val.parquet of a reasoning-gym task (what `rlflow data make reasoning-gym:TASK`
     does); nothing is written when any check refuses."""
     from engine.data.prompts import write_rows_parquet
 
-    train, val = make_reasoning_gym_rows(task, n=n, val_n=val_n, seed=seed, options=options)
+    train, val = make_reasoning_gym_rows(task, n=n, val_n=val_n, seed=seed, options=options, shots=shots)
     out = _output_folder(out_dir)
     return write_rows_parquet(train, out / "train.parquet"), write_rows_parquet(val, out / "val.parquet")
+
+
+def _worked_examples(dataset: Any, task: str, options: Mapping[str, Any], size: int, shots: int) -> list[dict[str, str]]:
+    """`shots` (user, assistant) turns from the dataset's last indices, distinct questions with an answer."""
+    turns: list[dict[str, str]] = []
+    questions: set[str] = set()
+    for index in range(size - 1, size - 1 - shots * VAL_TRIES_PER_ROW, -1):
+        if len(questions) == shots:
+            break
+        entry = _entry(dataset, task, options, index)
+        if not isinstance(entry.get("answer"), str) or entry["question"] in questions:
+            continue
+        questions.add(entry["question"])
+        turns += [{"role": "user", "content": f"{entry['question']}\n\n{ANSWER_INSTRUCTION}"},
+                  {"role": "assistant", "content": f"<answer>{entry['answer']}</answer>"}]
+    if len(questions) < shots:
+        raise DataError(f"reasoning-gym task {task!r} with {_named(options)} gave only {len(questions)} worked examples "
+                        f"with a text answer, {shots} asked (--shots)")
+    return turns
 
 
 def _output_folder(out_dir: str | os.PathLike[str]) -> Path:

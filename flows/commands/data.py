@@ -33,6 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     make.add_argument("--seed", type=int, default=None, help=f"(default {DEFAULTS['seed']})")
     make.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                       help="a reasoning-gym task's option (repeatable); the value is read as YAML: 3, true, [+, -]")
+    make.add_argument("--shots", type=int, default=0, metavar="K",
+                      help="reasoning-gym: K worked examples of the task before each question, as earlier chat turns "
+                      "(default 0)")
     make.set_defaults(func=_make)
     tasks = verbs.add_parser("tasks", help="list the tasks `rlflow data make` takes")
     tasks.set_defaults(func=_tasks)
@@ -44,7 +47,7 @@ def _make(args: argparse.Namespace) -> int:
     task: str = args.task
     if task == HUMANEVAL:  # the 164 problems, all of them, as validation
         given = [f"--{k.replace('_', '-')}" for k in DEFAULTS if getattr(args, k) is not None] + \
-            ["--option"] * bool(args.option)
+            ["--option"] * bool(args.option) + ["--shots"] * bool(args.shots)
         if given:
             raise DataError(f"{given[0]} is not a setting of humaneval: its 164 problems are written as "
                             "val.parquet, all of them, in their own order")
@@ -59,7 +62,10 @@ def _make(args: argparse.Namespace) -> int:
         from engine.data.reasoning_gym import make_reasoning_gym_files, parse_options
 
         train, val = make_reasoning_gym_files(task[len(REASONING_GYM):], args.out_dir, n=args.n, val_n=args.val_n,
-                                              seed=args.seed, options=parse_options(args.option))
+                                              seed=args.seed, options=parse_options(args.option),
+                                              shots=args.shots)
+    elif args.shots:
+        raise DataError(f"--shots is a setting of reasoning-gym tasks ({REASONING_GYM}TASK), not of {task!r}")
     elif args.option:
         raise DataError(f"--option is a setting of reasoning-gym tasks ({REASONING_GYM}TASK), not of {task!r}")
     else:

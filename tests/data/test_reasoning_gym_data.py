@@ -73,6 +73,31 @@ def test_train_and_val_share_no_question() -> None:
     assert naive & set(questions(train))
 
 
+def test_worked_examples_come_before_each_question_and_are_asked_in_neither_split() -> None:
+    """--shots 2: the same two (question, <answer>answer</answer>) turns before every row's question, taken
+    from entries whose questions neither split asks; the row's own entry and index are unchanged."""
+    train, val = make_reasoning_gym_rows("basic_arithmetic", n=100, val_n=40, seed=0, options=SMALL, shots=2)
+    plain, _ = make_reasoning_gym_rows("basic_arithmetic", n=100, val_n=40, seed=0, options=SMALL)
+    size = train[0]["extra_info"]["size"]
+    library = reasoning_gym.create_dataset("basic_arithmetic", seed=0, size=size, **SMALL)
+    examples = [library[size - 1], library[size - 2]]
+    turns = []
+    for entry in examples:
+        turns += [{"role": "user", "content": f"{entry['question']}\n\n{ANSWER_INSTRUCTION}"},
+                  {"role": "assistant", "content": f"<answer>{entry['answer']}</answer>"}]
+    assert examples[0]["question"] != examples[1]["question"]
+    for row in train + val:
+        assert row["prompt"][:4] == turns and len(row["prompt"]) == 5 and row["extra_info"]["shots"] == 2
+    asked = {turn["content"] for turn in turns if turn["role"] == "user"}
+    assert not asked & {row["prompt"][-1]["content"] for row in train + val}
+    # A train row is the library's entry of its index, as without shots (indices past an example's twin)
+    for row in train:
+        entry = library[row["extra_info"]["index"]]
+        assert row["prompt"][-1]["content"] == f"{entry['question']}\n\n{ANSWER_INSTRUCTION}"
+    assert [r["prompt"][-1] for r in train[:10]] == [r["prompt"][0] for r in plain[:10] if r["prompt"][0]["content"]
+                                                     not in asked][:10]
+
+
 def refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> str:
     """`rlflow data make ARGS OUT` into a missing folder and into an existing empty one: exit 2, one error
     line, neither folder changed; the line."""
@@ -117,6 +142,10 @@ REFUSALS = {
     "tuples-lost-in-json": (["reasoning-gym:rearc", "--n", "1", "--val-n", "1"],
                             "reasoning-gym task 'rearc' is not supported: its verifier scores an entry read back "
                             "from JSON differently from the one it made (its metadata holds tuples)"),
+    "too-many-shots": (["reasoning-gym:chain_sum", "--shots", "9"],
+                       "--shots must be in 0..8 (worked examples before each question), got 9"),
+    "shots-of-a-synthetic-task": (["arith", "--shots", "2"],
+                                  "--shots is a setting of reasoning-gym tasks (reasoning-gym:TASK), not of 'arith'"),
     "option-of-a-synthetic-task": (["arith", "--option", "max_terms=2"],
                                    "--option is a setting of reasoning-gym tasks (reasoning-gym:TASK), not of 'arith'"),
 }
