@@ -256,10 +256,10 @@ def test_rollout_correction_reaches_the_update(warm_cli: WarmCli, tiny_model_dir
         assert m["rollout_corr/kl_k3"] > 0  # a token mean per rank (its formula: tests/algos/test_correction.py)
 
 
-def test_a_stage_reading_a_column_nobody_writes_is_refused_before_launch(cli: Cli, tiny_model_dir: Path,
+def test_a_stage_reading_a_column_nobody_writes_is_refused_before_launch(warm_cli: WarmCli, tiny_model_dir: Path,
                                                                           tmp_path: Path) -> None:
-    proc = cli("train", *overrides(tiny_model_dir, tmp_path, "refused",
-                                   f"algorithm.extra_stages={HERE / 'stages.py'}:reads_a_column_nobody_writes"))
+    proc = warm_cli("train", *overrides(tiny_model_dir, tmp_path, "refused",
+                                        f"algorithm.extra_stages={HERE / 'stages.py'}:reads_a_column_nobody_writes"))
     assert proc.returncode != 0
     assert ("stage reads_a_column_nobody_writes reads politeness, which no earlier stage writes"
             in proc.stderr), proc.stderr[-2000:]

@@ -94,9 +94,9 @@ def test_the_tiny_reward_model_is_deterministic_and_ranks_held_out_pairs(tiny_rm
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_a_causal_lm_is_refused_as_a_reward_model(cli: Cli, tiny_model_dir: Path, tmp_path: Path) -> None:
-    proc = cli("train", *overrides(tiny_model_dir, tmp_path, "not-an-rm", "data.task=sort",
-                                   f"reward.model.path={tiny_model_dir}"))
+def test_a_causal_lm_is_refused_as_a_reward_model(warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path) -> None:
+    proc = warm_cli("train", *overrides(tiny_model_dir, tmp_path, "not-an-rm", "data.task=sort",
+                                        f"reward.model.path={tiny_model_dir}"))
     assert proc.returncode != 0
     assert "is LlamaForCausalLM, not a sequence classifier: a reward model is an AutoModelForSequenceClassification" \
         in proc.stderr, proc.stderr[-2000:]
