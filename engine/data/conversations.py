@@ -33,6 +33,7 @@ from engine.data.prompts import (
     _read_records,
     _short,
     _validate_prompt,
+    absolute_source,
 )
 from engine.errors import DataError
 
@@ -77,7 +78,7 @@ def load_rows(files: Sequence[str], *, split: str, noun: str, row: Callable[[Any
     if len(kept) < len(rows):
         log.warning("dropped %d of %d %s %s longer than data.max_length=%d tokens", len(rows) - len(kept), len(rows),
                     split, noun, max_length)
-    return PromptDataset(kept, [str(p) for p in files], split)
+    return PromptDataset(kept, [absolute_source(p) for p in files], split)
 
 
 def _conversation(record: Any, path: str, index: int) -> PromptRow:

@@ -107,7 +107,7 @@ def load_prompts(
     rows: list[PromptRow] = []
     for path in files:
         rows.extend(_load_file(str(path), prompt_key))
-    dataset = PromptDataset(rows, [str(p) for p in files], split)
+    dataset = PromptDataset(rows, [absolute_source(p) for p in files], split)
     if max_prompt_length is not None and truncation in ("drop", "error"):
         if length_fn is None:
             raise ValueError("max_prompt_length needs a length_fn (prompt messages -> tokens)")
@@ -181,6 +181,12 @@ def filter_long_prompts(dataset: PromptDataset, max_length: int, length_fn: Leng
     return PromptDataset(kept, dataset.sources, dataset.split)
 
 
+def absolute_source(path: str | os.PathLike[str]) -> str:
+    """A data file as the run's stage workers must name it: `~` expanded and a relative path made absolute
+    from this process's working folder (a stage runs in a Ray worker with a folder of its own)."""
+    return os.path.abspath(os.path.expanduser(str(path)))
+
+
 def _load_file(path: str, prompt_key: str) -> list[PromptRow]:
     records = _read_records(path)
     if not records:
@@ -189,6 +195,7 @@ def _load_file(path: str, prompt_key: str) -> list[PromptRow]:
 
 
 def _read_records(path: str) -> list[dict[str, Any]]:
+    path = os.path.expanduser(path)
     if os.path.isdir(path):
         return _read_hf_dataset_dir(path)
     if not os.path.exists(path):

@@ -94,3 +94,12 @@ def test_long_conversations_are_dropped_or_refused(tok, tmp_path: Path) -> None:
     assert [r.prompt for r in kept] == [short["messages"]]
     with pytest.raises(DataError, match=r"^train row .*sft.jsonl:0 has 23 tokens, over data.max_length=22 "):
         load_conversations([path], split="train", tokenizer=tok, max_length=22, truncation="error")
+
+
+def test_sources_are_absolute(tok, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """A relative data file is named as the stage workers, in a working folder of their own, must open it."""
+    _write(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "1+1"},
+                                                   {"role": "assistant", "content": "2"}]}])
+    monkeypatch.chdir(tmp_path)
+    chats = load_conversations(["chat.jsonl"], split="train", tokenizer=tok, max_length=64, truncation="drop")
+    assert chats.sources == [str(tmp_path / "chat.jsonl")]

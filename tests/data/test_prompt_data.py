@@ -323,3 +323,17 @@ def test_truncation_left_and_right_cut_the_encoded_prompt(tmp_path: Path) -> Non
     assert left.input_ids[0].tolist() == row0[-6:] and right.input_ids[0].tolist() == row0[:6]
     short = full.input_ids[1][full.attention_mask[1].bool()].tolist()
     assert left.input_ids[1][left.attention_mask[1].bool()].tolist() == short  # short prompts untouched
+
+
+def test_sources_are_absolute_so_a_stage_in_another_folder_reads_them(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """data.train_files=data/train.parquet, relative to where `rlflow train` runs: the dataset names the file
+    as the stage workers (Ray processes with a working folder of their own) must open it (conversations:
+    tests/data/test_conversations.py)."""
+    (tmp_path / "data").mkdir()
+    write_parquet(tmp_path / "data" / "train.parquet", [verl_row(i) for i in range(3)])
+    monkeypatch.chdir(tmp_path)
+    prompts = load_prompts(["data/train.parquet"])
+    monkeypatch.chdir("/")
+    assert prompts.sources == [str(tmp_path / "data" / "train.parquet")]
+    assert len(load_prompts(prompts.sources).rows) == 3
