@@ -616,9 +616,9 @@ def test_an_engine_kept_in_its_namespace(runs: Runs, cli: object) -> None:
 
 
 @pytest.mark.slow
-def test_no_engine_is_left_behind(runs: Runs, cli: object) -> None:
+def test_no_engine_is_left_behind(runs: Runs) -> None:
     """After this module's runs (one failed on purpose, one kept in another namespace and stopped), no rank
     and no placement group of theirs holds the session's CPUs: the next module's runs must fit."""
-    listed = cli("engine", "list")  # type: ignore[operator]
+    listed = runs.cli("engine", "list")  # type: ignore[operator]
     ours = [f"f{i:03d}" for i in range(len(runs.done))] + ["kept"]
     assert listed.returncode == 0 and not [r for r in ours if re.search(rf"\b{r}\b", listed.stdout)], listed.stdout

@@ -21,7 +21,8 @@ def common(model: Path, root: str, run_id: str, *extra: str) -> list[str]:
 
 
 @pytest.mark.effect_of("trainer.save_every", "trainer.val_every", "storage.root")
-def test_grpo_three_iterations_on_s3(cli: Cli, tiny_model_dir: Path, s3_server, stack_home: Path) -> None:
+def test_grpo_three_iterations_on_s3(cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path, s3_server,
+                                     stack_home: Path) -> None:
     env = {**cli.env, **s3_server.env}
     root = f"s3://{s3_server.bucket}/pipeline"
     # Chunks of 16 rows: the reward stage scores in parallel Ray tasks (the other tests score in-process).
@@ -72,7 +73,7 @@ def test_grpo_three_iterations_on_s3(cli: Cli, tiny_model_dir: Path, s3_server, 
         load_file(tiny_model_dir / "model.safetensors")
     assert exported.keys() == base_weights.keys()
     assert any(not torch.equal(exported[k], base_weights[k]) for k in exported)  # trained
-    listed = cli("engine", "list")
+    listed = warm_cli("engine", "list")
     assert "grpo-s3" not in listed.stdout  # the engine is stopped at the end of the run
 
 
