@@ -90,9 +90,9 @@ def zombie(cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path, tmp_path_factory: 
     tests so that its heartbeat window (flows/liveness.WINDOW_S, 180 s) passes while they run (its check
     comes before the test that restarts the Prefect server: a restart within the window loses the pending
     trigger, seen in a fresh-clone run of f4179df where the restart came 30 s after the window); its engine
-    is stopped at once (it would hold the cluster's CPUs; the flow run's state is the claim). Returns when
-    the process died (time.monotonic)."""
-    proc = cli("train", *args(tiny_model_dir, str(tmp_path_factory.mktemp("zombie")), "zombie",
+    is stopped at once (it would hold the cluster's CPUs; the flow run's state is the claim, so one rank:
+    the second only cost its start). Returns when the process died (time.monotonic)."""
+    proc = cli("train", *args(tiny_model_dir, str(tmp_path_factory.mktemp("zombie")), "zombie", "trainer.world_size=1",
                               "debug.kill_flow_after=generate_rollouts", "debug.kill_iteration=2"))
     died = time.monotonic()
     stopped = warm_cli("engine", "stop", "zombie")
