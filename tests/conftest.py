@@ -97,13 +97,26 @@ def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> dict[str, st
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
     """A quickly built tiny model (few warm-start steps): real files, loaded like any HF model.
-    Shared by the engine and pipeline tests; the full build is tested in tests/models."""
+    Shared by the engine and pipeline tests; the full build is tested in tests/models. Built once per
+    pytest run: xdist's workers share it (the first builds under a lock in the run's temp folder, the
+    other waits and reads it; ~11 CPU s, built twice before 2026-12-07). Read only, like any model."""
+    import fcntl
+
     from engine.demo.tiny import build_tiny
 
-    out = tmp_path_factory.mktemp("tiny") / "model"
-    build_tiny(out, task="arith", seed=0, steps=30)
+    if worker_id == "master":  # one process (-n 0): its own temp folder
+        out = tmp_path_factory.mktemp("tiny") / "model"
+        build_tiny(out, task="arith", seed=0, steps=30)
+        return out
+    shared = tmp_path_factory.getbasetemp().parent / "shared-tiny"  # the run's folder, above popen-gwN
+    shared.mkdir(exist_ok=True)
+    out = shared / "model"
+    with open(shared / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "rlflow_tiny.json").exists():  # written last: the build is complete (build_tiny)
+            build_tiny(out, task="arith", seed=0, steps=30)
     return out
 
 
