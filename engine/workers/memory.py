@@ -141,5 +141,5 @@ def check_memory(policy: PolicySpec, critic: CriticSpec | None, *, world_size: i
             "or memory_share (vLLM's reserve), train LoRA adapters (actor.lora.rank>0: no gradients or optimizer "
             "state for the base), use model.dtype=bfloat16 without actor.mixed_precision (half the bytes, no fp32 "
             "master copy), or choose a smaller model.path")
-    log.info("memory estimate: %s of %.1f GiB", estimate.describe(), have / GiB)
+    log.debug("memory estimate: %s of %.1f GiB", estimate.describe(), have / GiB)
     return estimate
