@@ -18,8 +18,10 @@ size=size, **options)[index]`, so a row can be checked against the library by ha
 
 `shots=K` puts K worked examples of the same task before the question, as earlier turns of the chat
 (the example's question with the instruction, then `<answer>its answer</answer>` as the assistant's
-reply): the same K for every row, taken from the dataset's last indices, so their questions are in neither
-split. A small instruct model rarely writes the tags from the instruction alone (SmolLM2-135M-Instruct:
+reply): K drawn for each row (seeded by the row's index) from a pool of POOL_PER_SHOT * K examples taken
+from the dataset's last indices, so their questions are in neither split. One fixed pair for every row
+taught SmolLM2-135M-Instruct to copy the pair's answers (0 of 64 right on basic_arithmetic when both
+were negative). A small instruct model rarely writes the tags from the instruction alone (SmolLM2-135M-Instruct:
 0 of 64 on chain_sum); after two examples nearly every response has them (docs/results.md).
 
 Train and validation come from one dataset: train is indices 0..n-1 (past any whose question is a worked
@@ -37,6 +39,7 @@ import dataclasses
 import difflib
 import json
 import os
+import random
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -146,8 +149,9 @@ def build_dataset(task: str, options: Mapping[str, Any], *, seed: int, size: int
         raise DataError(f"reasoning-gym task {task!r} refuses {_named(options)}: {_reason(err)}") from None
 
 
-# At most this many worked examples before each question.
+# At most this many worked examples before each question, drawn from a pool this many times larger.
 MAX_SHOTS = 8
+POOL_PER_SHOT = 8
 
 
 def make_reasoning_gym_rows(
@@ -164,20 +168,22 @@ def make_reasoning_gym_rows(
     import_reasoning_gym()
     check_task(task)
     options = check_options(task, options or {})
-    size = n + val_n * VAL_TRIES_PER_ROW + shots * VAL_TRIES_PER_ROW
+    pool = shots * POOL_PER_SHOT
+    size = n + val_n * VAL_TRIES_PER_ROW + pool * VAL_TRIES_PER_ROW
     dataset = build_dataset(task, options, seed=seed, size=size)
     _check_round_trip(dataset, task, _entry(dataset, task, options, 0))
     text = json.dumps(options, sort_keys=True)
-    examples = _worked_examples(dataset, task, options, size, shots)
+    examples = _worked_examples(dataset, task, options, size, pool)
 
     def row(index: int, split: str) -> dict[str, Any]:
         entry = _entry(dataset, task, options, index)
         made = entry_row(task, entry, {"task": task, "options": text, "seed": seed, "size": size, "index": index,
                                        "split": split, "shots": shots})
-        made["prompt"] = examples + made["prompt"]
+        drawn = random.Random(f"{seed}/{index}").sample(range(len(examples)), shots)
+        made["prompt"] = [turn for k in drawn for turn in examples[k]] + made["prompt"]
         return made
 
-    asked = {example["content"] for example in examples if example["role"] == "user"}
+    asked = {example[0]["content"] for example in examples}
     train: list[dict[str, Any]] = []
     next_index = 0
     while len(train) < n and next_index < size:  # a train question is never a worked example's (rare)
@@ -187,7 +193,7 @@ def make_reasoning_gym_rows(
             train.append(made)
     seen = {r["prompt"][-1]["content"] for r in train} | asked
     val: list[dict[str, Any]] = []
-    for index in range(next_index, size - shots * VAL_TRIES_PER_ROW):
+    for index in range(next_index, size - pool * VAL_TRIES_PER_ROW):
         if len(val) == val_n:
             break
         candidate = row(index, "val")
@@ -229,9 +235,10 @@ def make_reasoning_gym_files(
     return write_rows_parquet(train, out / "train.parquet"), write_rows_parquet(val, out / "val.parquet")
 
 
-def _worked_examples(dataset: Any, task: str, options: Mapping[str, Any], size: int, shots: int) -> list[dict[str, str]]:
-    """`shots` (user, assistant) turns from the dataset's last indices, distinct questions with an answer."""
-    turns: list[dict[str, str]] = []
+def _worked_examples(dataset: Any, task: str, options: Mapping[str, Any], size: int, shots: int
+                     ) -> list[list[dict[str, str]]]:
+    """`shots` (user, assistant) pairs of turns from the dataset's last indices, distinct questions with an answer."""
+    turns: list[list[dict[str, str]]] = []
     questions: set[str] = set()
     for index in range(size - 1, size - 1 - shots * VAL_TRIES_PER_ROW, -1):
         if len(questions) == shots:
@@ -240,11 +247,11 @@ def _worked_examples(dataset: Any, task: str, options: Mapping[str, Any], size: 
         if not isinstance(entry.get("answer"), str) or entry["question"] in questions:
             continue
         questions.add(entry["question"])
-        turns += [{"role": "user", "content": f"{entry['question']}\n\n{ANSWER_INSTRUCTION}"},
-                  {"role": "assistant", "content": f"<answer>{entry['answer']}</answer>"}]
+        turns.append([{"role": "user", "content": f"{entry['question']}\n\n{ANSWER_INSTRUCTION}"},
+                      {"role": "assistant", "content": f"<answer>{entry['answer']}</answer>"}])
     if len(questions) < shots:
         raise DataError(f"reasoning-gym task {task!r} with {_named(options)} gave only {len(questions)} worked examples "
-                        f"with a text answer, {shots} asked (--shots)")
+                        f"with a text answer, {shots} asked (the pool of --shots)")
     return turns
 
 

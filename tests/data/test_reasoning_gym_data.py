@@ -14,7 +14,7 @@ import pytest
 import reasoning_gym
 
 from engine.data.prompts import load_prompts
-from engine.data.reasoning_gym import ANSWER_INSTRUCTION, make_reasoning_gym_rows
+from engine.data.reasoning_gym import ANSWER_INSTRUCTION, POOL_PER_SHOT, make_reasoning_gym_rows
 from flows.cli import main
 
 CHAIN = ["--option", "min_terms=2", "--option", "max_terms=3", "--option", "max_digits=2"]
@@ -74,28 +74,37 @@ def test_train_and_val_share_no_question() -> None:
 
 
 def test_worked_examples_come_before_each_question_and_are_asked_in_neither_split() -> None:
-    """--shots 2: the same two (question, <answer>answer</answer>) turns before every row's question, taken
-    from entries whose questions neither split asks; the row's own entry and index are unchanged."""
+    """--shots 2: two distinct (question, <answer>answer</answer>) turn pairs before every row's question,
+    drawn per row from a pool of 2 * POOL_PER_SHOT entries at the dataset's end whose questions neither split
+    asks (the draws vary from row to row and are the same each time the file is made); the row's own entry
+    and index are unchanged."""
     train, val = make_reasoning_gym_rows("basic_arithmetic", n=100, val_n=40, seed=0, options=SMALL, shots=2)
+    again, _ = make_reasoning_gym_rows("basic_arithmetic", n=100, val_n=40, seed=0, options=SMALL, shots=2)
     plain, _ = make_reasoning_gym_rows("basic_arithmetic", n=100, val_n=40, seed=0, options=SMALL)
+    assert again == train
     size = train[0]["extra_info"]["size"]
     library = reasoning_gym.create_dataset("basic_arithmetic", seed=0, size=size, **SMALL)
-    examples = [library[size - 1], library[size - 2]]
-    turns = []
-    for entry in examples:
-        turns += [{"role": "user", "content": f"{entry['question']}\n\n{ANSWER_INSTRUCTION}"},
-                  {"role": "assistant", "content": f"<answer>{entry['answer']}</answer>"}]
-    assert examples[0]["question"] != examples[1]["question"]
+    pool: dict[str, str] = {}
+    for index in range(size - 1, -1, -1):
+        if len(pool) == 2 * POOL_PER_SHOT:
+            break
+        pool.setdefault(f"{library[index]['question']}\n\n{ANSWER_INSTRUCTION}", f"<answer>{library[index]['answer']}</answer>")
+    firsts = set()
     for row in train + val:
-        assert row["prompt"][:4] == turns and len(row["prompt"]) == 5 and row["extra_info"]["shots"] == 2
-    asked = {turn["content"] for turn in turns if turn["role"] == "user"}
-    assert not asked & {row["prompt"][-1]["content"] for row in train + val}
+        assert len(row["prompt"]) == 5 and row["extra_info"]["shots"] == 2
+        (q1, a1, q2, a2) = row["prompt"][:4]
+        assert [t["role"] for t in (q1, a1, q2, a2)] == ["user", "assistant"] * 2
+        assert pool[q1["content"]] == a1["content"] and pool[q2["content"]] == a2["content"]
+        assert q1 != q2
+        firsts.add(q1["content"])
+    assert len(firsts) >= POOL_PER_SHOT  # not one fixed pair: the model would copy its answers
+    assert not set(pool) & {row["prompt"][-1]["content"] for row in train + val}
     # A train row is the library's entry of its index, as without shots (indices past an example's twin)
     for row in train:
         entry = library[row["extra_info"]["index"]]
         assert row["prompt"][-1]["content"] == f"{entry['question']}\n\n{ANSWER_INSTRUCTION}"
     assert [r["prompt"][-1] for r in train[:10]] == [r["prompt"][0] for r in plain[:10] if r["prompt"][0]["content"]
-                                                     not in asked][:10]
+                                                     not in pool][:10]
 
 
 def refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> str:
