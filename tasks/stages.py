@@ -11,6 +11,7 @@ Two layers make a retried or resumed iteration skip finished work:
 
 from __future__ import annotations
 
+from collections import Counter
 import functools
 import json
 import time
@@ -422,17 +423,20 @@ def generate_baseline(ctx: StageContext, iteration: int, stage: StageSpec, input
 
 @ray.remote(num_cpus=0)
 def _score_chunk(sources: list[str], texts: list[str], truths: list[Any], extra: list[Any],
-                 reward_cfg: dict[str, Any], offset: int) -> list[float]:
+                 reward_cfg: dict[str, Any], offset: int) -> tuple[list[float], dict[str, int]]:
     from engine.config import RewardConfig
 
-    return score_batch(sources, texts, truths, extra, cfg=RewardConfig.model_validate(reward_cfg),
-                       row_offset=offset).scores
+    scored = score_batch(sources, texts, truths, extra, cfg=RewardConfig.model_validate(reward_cfg), row_offset=offset)
+    return scored.scores, scored.counts()
 
 
-def _score(ctx: StageContext, batch: Batch, text_key: str = "response_text", cfg: RewardConfig | None = None
-           ) -> tuple[torch.Tensor, int]:
+def _score(ctx: StageContext, batch: Batch, text_key: str = "response_text", cfg: RewardConfig | None = None,
+           statuses: dict[str, int] | None = None) -> tuple[torch.Tensor, int]:
     """(scores [B] of `batch[text_key]` by `cfg` (the run's reward by default), the chunks they were
     scored in): one chunk in this process, or reward.chunk_size rows a chunk as parallel Ray tasks.
+    `statuses`, when given, receives how many rows each status the reward reported had (right, wrong,
+    no_answer, timeout, ...: a verifier's partial credit is not an exact answer, so a score's mean is not
+    the share right).
 
     One chunk is scored here: a Ray task for it would cost more than rule rewards take, and each
     extra num_cpus=0 task may start a worker process that competes with the next stage for the cores.
@@ -441,23 +445,37 @@ def _score(ctx: StageContext, batch: Batch, text_key: str = "response_text", cfg
         return batch["env_reward"].float(), 0
     cfg = cfg or ctx.plan.reward
     size = cfg.chunk_size
+    counts: Counter[str] = Counter()
     if len(batch) <= size:
-        return torch.tensor(score_batch(batch["data_source"], batch[text_key], batch["ground_truth"],
-                                        batch["extra_info"], cfg=cfg).scores, dtype=torch.float32), 1
-    dumped = cfg.model_dump()
-    refs = [
-        _score_chunk.remote(batch["data_source"][i:i + size], batch[text_key][i:i + size],
-                            batch["ground_truth"][i:i + size], batch["extra_info"][i:i + size], dumped, i)
-        for i in range(0, len(batch), size)
-    ]
-    scores = [s for chunk in ray.get(refs) for s in chunk]
-    return torch.tensor(scores, dtype=torch.float32), len(refs)
+        scored = score_batch(batch["data_source"], batch[text_key], batch["ground_truth"], batch["extra_info"], cfg=cfg)
+        scores, chunks = scored.scores, 1
+        counts.update(scored.counts())
+    else:
+        dumped = cfg.model_dump()
+        refs = [
+            _score_chunk.remote(batch["data_source"][i:i + size], batch[text_key][i:i + size],
+                                batch["ground_truth"][i:i + size], batch["extra_info"][i:i + size], dumped, i)
+            for i in range(0, len(batch), size)
+        ]
+        scores, chunks = [], len(refs)
+        for chunk_scores, chunk_counts in ray.get(refs):
+            scores += chunk_scores
+            counts.update(chunk_counts)
+    if statuses is not None:
+        statuses.update(counts)
+    return torch.tensor(scores, dtype=torch.float32), chunks
+
+
+def status_shares(counts: dict[str, int], rows: int, prefix: str) -> dict[str, float]:
+    """`{prefix}/status/{name}`: the share of the rows whose reward reported that status."""
+    return {f"{prefix}/status/{name}": count / rows for name, count in sorted(counts.items())}
 
 
 def rule_scores(ctx: StageContext, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """(the rule reward of each response, DAPO's overlong shaping penalty (zeros when off), its metrics)."""
-    rule, chunks = _score(ctx, batch)
-    metrics = {"reward/score_chunks": float(chunks)}
+    statuses: dict[str, int] = {}
+    rule, chunks = _score(ctx, batch, statuses=statuses)
+    metrics = {"reward/score_chunks": float(chunks), **status_shares(statuses, len(batch), "reward")}
     if not ctx.plan.reward.overlong_buffer_len:
         return rule, torch.zeros_like(rule), metrics
     penalty = overlong_penalty(response_lengths(batch), ctx.plan.rollout.max_new_tokens,
@@ -808,12 +826,14 @@ def validate(plan: RunPlan, iteration: int) -> StageResult:
                                         do_sample=ctx.plan.rollout.val_do_sample, pool="policy")
                         for chunk in prompts.chunks(ctx.plan.data.val_batch_size)])
     out = out.with_columns(response_text=response_texts(ctx.tokenizer, out))
-    score, _ = _score(ctx, out)
+    statuses: dict[str, int] = {}
+    score, _ = _score(ctx, out, statuses=statuses)
     # The validation responses and their scores, readable like the training buffers (not consumed by any
     # stage: a retried validation replaces them).
     write_buffer(ctx.store, ctx.plan.run_id, iteration, "validation", out.with_tensors(score=score))
     metrics = {"val/score/mean": float(score.mean()), "timing_s/validate": time.perf_counter() - start,
-               "val/response_length/mean": float(response_lengths(out).float().mean())}
+               "val/response_length/mean": float(response_lengths(out).float().mean()),
+               **status_shares(statuses, len(out), "val")}
     if "tool_calls" in out:
         metrics.update(tool_metrics(out, "val/tools"))
     if "env_errors" in out:

@@ -122,3 +122,26 @@ def test_a_run_without_reasoning_gym_is_refused_before_it_starts(chain_sum_row: 
                                                 "'reasoning_gym/chain_sum' raised at row 0: DataError: reasoning-gym "
                                                 "tasks need the reasoning-gym package, which is not installed"), line
     assert line.endswith("install it with: pip install -e '.[reasoning-gym]' (reasoning-gym==0.1.25)"), line
+
+
+def test_the_share_of_each_status_is_a_metric(chain_sum_row: dict[str, Any]) -> None:
+    """The scoring stages count the statuses the reward reports (`reward/status/right`, `val/status/...`):
+    with reward.format_weight the score's mean is not the share right, the status is."""
+    import types
+
+    import torch
+
+    from engine.batch import Batch
+    from tasks.stages import _score, status_shares
+
+    truth = chain_sum_row["reward_model"]["ground_truth"]
+    texts = [f"<answer>{truth}</answer>", f"<answer>{int(truth) + 1}</answer>", "no tag", f"<answer>{truth}</answer>"]
+    batch = Batch({"score_slot": torch.zeros(4)},
+                  {"data_source": [chain_sum_row["data_source"]] * 4, "response_text": texts,
+                   "ground_truth": [truth] * 4, "extra_info": [chain_sum_row["extra_info"]] * 4})
+    ctx = types.SimpleNamespace(plan=types.SimpleNamespace(reward=RewardConfig(format_weight=0.5)))
+    counts: dict[str, int] = {}
+    scores, chunks = _score(ctx, batch, statuses=counts)  # type: ignore[arg-type]
+    assert scores.tolist() == [1.5, 0.5, 0.0, 1.5] and chunks == 1
+    assert status_shares(counts, len(batch), "val") == {"val/status/no_answer": 0.25, "val/status/right": 0.5,
+                                                       "val/status/wrong": 0.25}
