@@ -11,10 +11,10 @@ Two layers make a retried or resumed iteration skip finished work:
 
 from __future__ import annotations
 
-from collections import Counter
 import functools
 import json
 import time
+from collections import Counter
 from typing import Any, cast
 
 import ray
