@@ -22,7 +22,8 @@ reply): K drawn for each row (seeded by the row's index) from a pool of POOL_PER
 from the dataset's last indices, so their questions are in neither split. One fixed pair for every row
 taught SmolLM2-135M-Instruct to copy the pair's answers (0 of 64 right on basic_arithmetic when both
 were negative). A small instruct model rarely writes the tags from the instruction alone (SmolLM2-135M-Instruct:
-0 of 64 on chain_sum); after two examples nearly every response has them (docs/results.md).
+0 of 64 on chain_sum); after two examples nearly every response has them (README, "A real model on a
+real task").
 
 Train and validation come from one dataset: train is indices 0..n-1 (past any whose question is a worked
 example's), validation the next indices whose
