@@ -18,7 +18,7 @@ size=size, **options)[index]`, so a row can be checked against the library by ha
 
 `shots=K` puts K worked examples of the same task before the question, as earlier turns of the chat
 (the example's question with the instruction, then `<answer>its answer</answer>` as the assistant's
-reply): K drawn for each row (seeded by the row's index) from a pool of POOL_PER_SHOT * K examples taken
+reply): K drawn for each row (seeded by the dataset's seed and the row's index) from a pool of POOL_PER_SHOT * K examples taken
 from the dataset's last indices, so their questions are in neither split. One fixed pair for every row
 taught SmolLM2-135M-Instruct to copy the pair's answers (0 of 64 right on basic_arithmetic when both
 were negative). A small instruct model rarely writes the tags from the instruction alone (SmolLM2-135M-Instruct:
@@ -236,13 +236,13 @@ def make_reasoning_gym_files(
     return write_rows_parquet(train, out / "train.parquet"), write_rows_parquet(val, out / "val.parquet")
 
 
-def _worked_examples(dataset: Any, task: str, options: Mapping[str, Any], size: int, shots: int
+def _worked_examples(dataset: Any, task: str, options: Mapping[str, Any], size: int, count: int
                      ) -> list[list[dict[str, str]]]:
-    """`shots` (user, assistant) pairs of turns from the dataset's last indices, distinct questions with an answer."""
+    """`count` (user, assistant) pairs of turns from the dataset's last indices, distinct questions with an answer."""
     turns: list[list[dict[str, str]]] = []
     questions: set[str] = set()
-    for index in range(size - 1, size - 1 - shots * VAL_TRIES_PER_ROW, -1):
-        if len(questions) == shots:
+    for index in range(size - 1, size - 1 - count * VAL_TRIES_PER_ROW, -1):
+        if len(questions) == count:
             break
         entry = _entry(dataset, task, options, index)
         if not isinstance(entry.get("answer"), str) or entry["question"] in questions:
@@ -250,9 +250,9 @@ def _worked_examples(dataset: Any, task: str, options: Mapping[str, Any], size: 
         questions.add(entry["question"])
         turns.append([{"role": "user", "content": f"{entry['question']}\n\n{ANSWER_INSTRUCTION}"},
                       {"role": "assistant", "content": f"<answer>{entry['answer']}</answer>"}])
-    if len(questions) < shots:
+    if len(questions) < count:
         raise DataError(f"reasoning-gym task {task!r} with {_named(options)} gave only {len(questions)} worked examples "
-                        f"with a text answer, {shots} asked (the pool of --shots)")
+                        f"with a text answer, {count} asked (the pool of --shots)")
     return turns
 
 
