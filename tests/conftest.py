@@ -244,7 +244,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 # workers take whole files (--dist loadfile) in this order: the longest start first and the tail is short
 # files. xdist would re-sort the files by their number of tests (pyproject: --no-loadscope-reorder). Placed
 # by their time alone on 2026-12-05: ops/test_post_training.py (240 s), ops/test_envs.py (~220 s).
-_LONGEST_FIRST = ("ops/test_faults.py", "pipeline/test_every_field.py", "ops/test_multi_turn.py", "pipeline/test_algorithms.py", "engine/test_engine.py",
+# engine/test_real_model.py (473 s of items in the 844c9f3 suite) was missing until 2026-12-07: it started
+# after every listed file, when the other worker had only fast files left to run beside it.
+_LONGEST_FIRST = ("ops/test_faults.py", "engine/test_real_model.py", "pipeline/test_every_field.py", "ops/test_multi_turn.py", "pipeline/test_algorithms.py", "engine/test_engine.py",
                   "ops/test_post_training.py", "ops/test_envs.py", "ops/test_async.py", "pipeline/test_reward_model.py", "ops/test_cluster.py", "ops/test_bad_input.py",
                   "ops/test_deploy.py", "pipeline/test_train.py", "ops/test_ui_retry.py", "pipeline/test_families.py",
                   "engine/test_gradients.py", "engine/test_lora.py", "ops/test_worker.py", "ops/test_dynamic_sampling.py",

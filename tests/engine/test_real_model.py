@@ -5,10 +5,10 @@ basic_arithmetic (one-digit sums) with two worked examples before each question 
 - One engine (one rank, vLLM rollouts) samples the base policy on a few questions; the task's verifier
   scores the samples. After one update and the weight sync, vLLM's greedy tokens and log-probs equal the
   trained model's in transformers.
-- Rejection sampling: the right samples as SFT conversations; a 2-iteration SFT run on them lowers its
+- Rejection sampling: the right samples as SFT conversations; one SFT step on them lowers its
   validation loss on them.
 - The verifier's ranking as DPO pairs (a right sample chosen, a wrong one rejected, same prompt); a
-  2-iteration DPO run raises the implicit reward margin on them.
+  one DPO step raises the implicit reward margin on them.
 - A 2-iteration LoRA GRPO run with vLLM rollouts killed after iteration 2's rollouts and resumed ends with
   the uninterrupted run's adapters bit for bit; the LoRA export loads in peft on the base and the merged
   export in transformers and in vLLM, with the same greedy tokens.
@@ -39,6 +39,10 @@ NEW_TOKENS = 16  # "<answer>-53</answer>" is 8 tokens
 SAMPLES = 4  # per question
 UPDATE_ROWS = 8  # the update's batch, one optimizer step
 GREEDY_ROWS = 4  # the questions decoded greedily after the sync
+# The SFT and DPO runs are one optimizer step on a few rows (forward and backward of 135 M parameters over
+# ~180 tokens a sequence on one thread is the cost): the claim is the direction of the loss or margin.
+SFT_ROWS = 4
+DPO_PAIRS = 3
 
 
 @pytest.fixture(scope="module")
@@ -162,22 +166,23 @@ def test_after_a_sync_vllm_generates_as_the_trained_model_in_transformers(synced
 def test_sft_on_the_policys_own_verified_answers_lowers_their_loss(samples: list, warm_cli: WarmCli,
                                                                    smollm2_dir: Path, tmp_path: Path) -> None:
     """Rejection sampling: each right sample as an SFT conversation (the question's multi-turn prompt,
-    then the sample as the assistant's turn), engine/data/conversations.py's layout; two SFT iterations on
-    them (one optimizer step each, all of them a step) lower the validation loss on the same conversations."""
+    then the sample as the assistant's turn), engine/data/conversations.py's layout; one SFT iteration on
+    the first SFT_ROWS of them (one optimizer step) lowers the validation loss on the same conversations."""
     from engine.data.prompts import write_rows_parquet
 
     rows = [{"messages": s["row"]["prompt"] + [{"role": "assistant", "content": text}], "data_source": "rejection"}
             for s in samples for text, status in s["responses"] if status == "right"]
-    assert len(rows) >= 4, f"only {len(rows)} right samples"
+    assert len(rows) >= SFT_ROWS, f"only {len(rows)} right samples"
+    rows = rows[:SFT_ROWS]
     data = write_rows_parquet(rows, tmp_path / "sft.parquet")
     root = tmp_path / "runs"
     proc = warm_cli("sft", f"model.path={smollm2_dir}", f"storage.root={root}", "trainer.run_id=sft",
                     f"data.train_files=[{data}]", f"data.val_files=[{data}]", f"data.train_batch_size={len(rows)}",
-                    "data.max_length=256", "trainer.total_iterations=2", "trainer.val_every=2", "trainer.save_every=2",
-                    "trainer.world_size=1", f"actor.mini_batch_size={len(rows)}", "actor.micro_batch_size=8",
+                    "data.max_length=256", "trainer.total_iterations=1", "trainer.val_every=1", "trainer.save_every=1",
+                    "trainer.world_size=1", f"actor.mini_batch_size={len(rows)}", f"actor.micro_batch_size={len(rows)}",
                     "actor.lr=1e-5")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [json.loads((root / "sft" / "metrics" / f"iter_{i:06d}.json").read_text()) for i in (0, 2)]
+    lines = [json.loads((root / "sft" / "metrics" / f"iter_{i:06d}.json").read_text()) for i in (0, 1)]
     print(f"SFT on {len(rows)} verified samples: val loss {lines[0]['val/loss']:.4f} -> {lines[1]['val/loss']:.4f}")
     assert lines[1]["val/loss"] < lines[0]["val/loss"] - 0.01, lines
 
@@ -185,7 +190,7 @@ def test_sft_on_the_policys_own_verified_answers_lowers_their_loss(samples: list
 def test_dpo_on_the_pairs_the_verifier_ranks_raises_their_margin(samples: list, warm_cli: WarmCli,
                                                                  smollm2_dir: Path, tmp_path: Path) -> None:
     """Per question with both: a right sample chosen, a wrong one (or one without an answer) rejected
-    (engine/data/preferences.py's layout); two DPO iterations raise the implicit reward margin on them
+    (engine/data/preferences.py's layout); one DPO iteration raises the implicit reward margin on them
     from 0 (the policy is its reference)."""
     from engine.data.prompts import write_rows_parquet
 
@@ -195,16 +200,17 @@ def test_dpo_on_the_pairs_the_verifier_ranks_raises_their_margin(samples: list, 
         wrong = [text for text, status in s["responses"] if status in ("wrong", "no_answer")]
         if right and wrong:
             pairs.append({"prompt": s["row"]["prompt"], "chosen": right[0], "rejected": wrong[0]})
-    assert len(pairs) >= 2, f"only {len(pairs)} questions with a right and a wrong sample"
+    assert len(pairs) >= DPO_PAIRS, f"only {len(pairs)} questions with a right and a wrong sample"
+    pairs = pairs[:DPO_PAIRS]
     data = write_rows_parquet(pairs, tmp_path / "pairs.parquet")
     root = tmp_path / "runs"
     proc = warm_cli("train", str(REPO / "configs" / "tiny_dpo.yaml"), f"model.path={smollm2_dir}",
                     f"storage.root={root}", "trainer.run_id=dpo", f"data.train_files=[{data}]",
                     f"data.val_files=[{data}]", f"data.train_batch_size={len(pairs)}", "data.max_length=256",
-                    "trainer.total_iterations=2", "trainer.val_every=2", "trainer.save_every=2", "trainer.world_size=1",
+                    "trainer.total_iterations=1", "trainer.val_every=1", "trainer.save_every=1", "trainer.world_size=1",
                     f"actor.mini_batch_size={len(pairs)}", f"actor.micro_batch_size={len(pairs)}", "actor.lr=1e-5")
     assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [json.loads((root / "dpo" / "metrics" / f"iter_{i:06d}.json").read_text()) for i in (0, 2)]
+    lines = [json.loads((root / "dpo" / "metrics" / f"iter_{i:06d}.json").read_text()) for i in (0, 1)]
     print(f"DPO on {len(pairs)} verifier-ranked pairs: margin {lines[0]['val/reward_margin']:.4f} -> "
           f"{lines[1]['val/reward_margin']:.4f}, accuracy {lines[1].get('val/accuracy')}")
     assert abs(lines[0]["val/reward_margin"]) < 1e-3 and lines[1]["val/reward_margin"] > 0.01, lines
@@ -214,12 +220,12 @@ LORA = ("actor.lora.rank=4", "actor.lora.alpha=8", "actor.lr=1e-3", "trainer.exp
 
 
 def grpo_args(model: Path, data: Path, root: Path, run_id: str, *extra: str) -> list[str]:
-    """configs/smollm2_grpo.yaml, smaller: 4 questions x 4 samples of 16 tokens an iteration, one rank."""
+    """configs/smollm2_grpo.yaml, smaller: 2 questions x 4 samples of 16 tokens an iteration, one rank."""
     return [f"model.path={model}", f"storage.root={root}", f"trainer.run_id={run_id}",
             f"data.train_files=[{data / 'train.parquet'}]", f"data.val_files=[{data / 'val.parquet'}]",
-            f"data.max_prompt_length={MAX_PROMPT}", "data.train_batch_size=4", "rollout.name=vllm", "rollout.n=4",
+            f"data.max_prompt_length={MAX_PROMPT}", "data.train_batch_size=2", "rollout.name=vllm", "rollout.n=4",
             f"rollout.max_new_tokens={NEW_TOKENS}", "rollout.vllm.kv_cache_gib=0.25", "algorithm.adv_estimator=grpo",
-            "actor.mini_batch_size=16", "actor.micro_batch_size=16", "trainer.total_iterations=2",
+            "actor.mini_batch_size=8", "actor.micro_batch_size=8", "trainer.total_iterations=2",
             "trainer.save_every=1", "trainer.val_every=0", "trainer.world_size=1", *LORA, *extra]
 
 
