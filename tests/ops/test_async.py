@@ -35,23 +35,23 @@ SPLIT = ("placement.mode=split", "trainer.world_size=1", "placement.rollout_rank
 PARTIAL = ("trainer.max_staleness=1", "rollout.partial_tokens=4")
 
 
-def args(model: Path, root: Path, run_id: str, *extra: str) -> list[str]:
+def args(model: Path, root: Path, run_id: str, *extra: str, iterations: int = ITERATIONS) -> list[str]:
     return [f"model.path={model}", f"storage.root={root}", f"trainer.run_id={run_id}", REWARD,
-            f"trainer.total_iterations={ITERATIONS}", "trainer.save_every=3", "trainer.val_every=0",
+            f"trainer.total_iterations={iterations}", "trainer.save_every=3", "trainer.val_every=0",
             "data.train_batch_size=8", "actor.mini_batch_size=64", "actor.micro_batch_size=64",
             "actor.old_log_prob=recompute", "data.train_size=256",
             "data.val_size=16", "rollout.max_new_tokens=8", *extra]
 
 
-def weights(root: Path, run_id: str) -> dict:
+def weights(root: Path, run_id: str, iterations: int = ITERATIONS) -> dict:
     from safetensors.torch import load_file
 
-    return load_file(root / run_id / "export" / f"step_{ITERATIONS:06d}" / "model.safetensors")
+    return load_file(root / run_id / "export" / f"step_{iterations:06d}" / "model.safetensors")
 
 
-def metrics(root: Path, run_id: str) -> list[dict]:
+def metrics(root: Path, run_id: str, iterations: int = ITERATIONS) -> list[dict]:
     return [json.loads((root / run_id / "metrics" / f"iter_{i:06d}.json").read_text())
-            for i in range(1, ITERATIONS + 1)]
+            for i in range(1, iterations + 1)]
 
 
 def assert_equal_weights(got: dict, want: dict) -> None:
@@ -80,13 +80,15 @@ def partial(warm_cli: WarmCli, tiny_model_dir: Path, tmp_path_factory: pytest.Te
 
 
 def test_k0_on_split_pools_equals_the_on_policy_loop(warm_cli: WarmCli, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Both runs take 2 iterations: the rollout of iteration 2 samples with the weights of update 1, which
+    reach the generator by the sync (split) or the rollout copy (colocated), and update 2 starts from it."""
     colocated = warm_cli("train", *args(tiny_model_dir, tmp_path, "colocated", "trainer.world_size=1",
-                                   "rollout.weights=copy", "placement.cpus_per_rank=1"))
+                                        "rollout.weights=copy", "placement.cpus_per_rank=1", iterations=2))
     assert colocated.returncode == 0, colocated.stderr[-4000:]
-    split = warm_cli("train", *args(tiny_model_dir, tmp_path, "split-k0", *SPLIT))
+    split = warm_cli("train", *args(tiny_model_dir, tmp_path, "split-k0", *SPLIT, iterations=2))
     assert split.returncode == 0, split.stderr[-4000:]
-    assert_equal_weights(weights(tmp_path, "split-k0"), weights(tmp_path, "colocated"))
-    synced = metrics(tmp_path, "split-k0")
+    assert_equal_weights(weights(tmp_path, "split-k0", 2), weights(tmp_path, "colocated", 2))
+    synced = metrics(tmp_path, "split-k0", 2)
     assert all(m["perf/weight_sync_mb"] > 0 and m["async/staleness"] == 0 for m in synced)
 
 

@@ -88,7 +88,8 @@ def assert_reused(root: Path, run_id: str, iteration: int) -> None:
 def zombie(cli: Cli, warm_cli: WarmCli, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> float:
     """A run whose flow process is SIGKILLed and that nothing resumes, started before the module's other
     tests so that its heartbeat window (flows/liveness.WINDOW_S, 180 s) passes while they run (its check
-    comes before the test that restarts the Prefect server: a restart within the window loses the pending
+    comes after the LoRA kill test, so that the window has passed by then instead of being waited for,
+    and before the test that restarts the Prefect server: a restart within the window loses the pending
     trigger, seen in a fresh-clone run of f4179df where the restart came 30 s after the window); its engine
     is stopped at once (it would hold the cluster's CPUs; the flow run's state is the claim, so one rank:
     the second only cost its start). Returns when the process died (time.monotonic)."""
@@ -198,10 +199,48 @@ def test_flow_process_killed_then_resumed_from_storage_past_a_corrupted_shard(
     print(f"flow kill + corrupted shard + resume: {time.monotonic() - start:.0f} s")
 
 
+LORA = ("actor.lora.rank=4", "actor.lora.alpha=8", "actor.lr=1e-3")
+
+
+def adapters(root: Path, run_id: str) -> dict:
+    return load_file(root / run_id / "export" / f"step_{ITERATIONS:06d}" / "adapter_model.safetensors")
+
+
+def test_lora_rank_killed_then_flow_killed_and_resumed_on_a_new_engine(cli: Cli, warm_cli: WarmCli,
+                                                                      tiny_model_dir: Path, tmp_path: Path) -> None:
+    """LoRA: a rank dies mid-update of iteration 2 (the engine restarts, restores the adapter-only
+    checkpoint of step 1 and replays), then the flow process is killed after that update, and the engine
+    with it (a lost machine); `--resume` starts a new engine, restores step 1's adapters again and
+    replays. The adapters end bit-identical to an uninterrupted LoRA run's, on the same prompts."""
+    ref_root = tmp_path / "reference"
+    proc = warm_cli("train", *args(tiny_model_dir, str(ref_root), "lora-reference", *LORA))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    reference = {"weights": adapters(ref_root, "lora-reference"), "record": sampler_record(ref_root, "lora-reference")}
+    first = cli("train", *args(tiny_model_dir, str(tmp_path), "lora-kill", *LORA, "debug.kill_rank_mid_update=1",
+                               "debug.kill_flow_after=update_policy", "debug.kill_iteration=2"))
+    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+    logs = first.stdout + first.stderr
+    assert "iteration 2: the engine failed" in logs and "restored checkpoint step 1" in logs, logs[-3000:]
+    stopped = warm_cli("engine", "stop", "lora-kill")
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    resumed = warm_cli("train", "--resume", "lora-kill", f"storage.root={tmp_path}", REWARD)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "restored checkpoint step 1" in resumed.stdout + resumed.stderr
+    got = adapters(tmp_path, "lora-kill")
+    assert got.keys() == reference["weights"].keys() and all("lora_" in k for k in got)
+    for key in got:
+        assert bool((got[key] == reference["weights"][key]).all()), key
+    assert sampler_record(tmp_path, "lora-kill") == reference["record"]
+    manifest = json.loads((tmp_path / "lora-kill" / "checkpoints" / "step_000003" / "MANIFEST.json").read_text())
+    print(f"LoRA checkpoint: {sum(f['size'] for f in manifest['files'])} bytes")
+
+
 def test_a_killed_controller_is_marked_crashed_by_its_missing_heartbeat(zombie: float, prefect: Any, api_url: str,
                                                                        stack_home: Path) -> None:
-    """The flow process is SIGKILLed and nothing resumes it (the `zombie` fixture, started first): Prefect's
-    automation (flows/liveness.py) sets its flow run Crashed once its heartbeat has been missing for WINDOW_S."""
+    """The flow process is SIGKILLed and nothing resumes it (the `zombie` fixture, started first; this check
+    runs after the tests above, the window passing during them, and before the Prefect server's restart
+    below): Prefect's automation (flows/liveness.py) sets its flow run Crashed once its heartbeat has been
+    missing for WINDOW_S."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
     from flows.liveness import AUTOMATION, WINDOW_S
@@ -297,39 +336,3 @@ def _s3(server):  # noqa: ANN001, ANN202
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(subprocess.call([sys.executable, "-m", "pytest", __file__, "-q", "-s"]))
-
-
-LORA = ("actor.lora.rank=4", "actor.lora.alpha=8", "actor.lr=1e-3")
-
-
-def adapters(root: Path, run_id: str) -> dict:
-    return load_file(root / run_id / "export" / f"step_{ITERATIONS:06d}" / "adapter_model.safetensors")
-
-
-def test_lora_rank_killed_then_flow_killed_and_resumed_on_a_new_engine(cli: Cli, warm_cli: WarmCli,
-                                                                      tiny_model_dir: Path, tmp_path: Path) -> None:
-    """LoRA: a rank dies mid-update of iteration 2 (the engine restarts, restores the adapter-only
-    checkpoint of step 1 and replays), then the flow process is killed after that update, and the engine
-    with it (a lost machine); `--resume` starts a new engine, restores step 1's adapters again and
-    replays. The adapters end bit-identical to an uninterrupted LoRA run's, on the same prompts."""
-    ref_root = tmp_path / "reference"
-    proc = warm_cli("train", *args(tiny_model_dir, str(ref_root), "lora-reference", *LORA))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    reference = {"weights": adapters(ref_root, "lora-reference"), "record": sampler_record(ref_root, "lora-reference")}
-    first = cli("train", *args(tiny_model_dir, str(tmp_path), "lora-kill", *LORA, "debug.kill_rank_mid_update=1",
-                               "debug.kill_flow_after=update_policy", "debug.kill_iteration=2"))
-    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
-    logs = first.stdout + first.stderr
-    assert "iteration 2: the engine failed" in logs and "restored checkpoint step 1" in logs, logs[-3000:]
-    stopped = warm_cli("engine", "stop", "lora-kill")
-    assert stopped.returncode == 0, stopped.stderr[-2000:]
-    resumed = warm_cli("train", "--resume", "lora-kill", f"storage.root={tmp_path}", REWARD)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert "restored checkpoint step 1" in resumed.stdout + resumed.stderr
-    got = adapters(tmp_path, "lora-kill")
-    assert got.keys() == reference["weights"].keys() and all("lora_" in k for k in got)
-    for key in got:
-        assert bool((got[key] == reference["weights"][key]).all()), key
-    assert sampler_record(tmp_path, "lora-kill") == reference["record"]
-    manifest = json.loads((tmp_path / "lora-kill" / "checkpoints" / "step_000003" / "MANIFEST.json").read_text())
-    print(f"LoRA checkpoint: {sum(f['size'] for f in manifest['files'])} bytes")

@@ -123,7 +123,7 @@ def test_a_worker_executes_a_run_and_its_retry_reuses_finished_stages(
     deployment = prefect.read_deployment_by_name("rlflow-scheduled/pooled")
     assert deployment.work_pool_name == POOL and prefect.read_work_pool(POOL).type == "process"
     assert not any(k.startswith(("AWS_", "RAY_")) for k in map(str, deployment.parameters))
-    served = cli("serve", "pooled")  # `rlflow serve` would take the deployment off its pool: refused
+    served = warm_cli("serve", "pooled")  # `rlflow serve` would take the deployment off its pool: refused
     assert served.returncode == 2 and "runs on a work pool" in served.stderr, served.stderr[-2000:]
     try:
         with worker(cli, stack_home, tmp_path / "worker-home") as running:

@@ -1,5 +1,5 @@
-"""Every algorithm path through the flow at least once (`rlflow train`, real stack, 3 iterations of the
-tiny model), each asserting what its path must produce, from the run's own buffers and metrics; and
+"""Every algorithm path through the flow at least once (`rlflow train`, real stack, up to 3 iterations of
+the tiny model), each asserting what its path must produce, from the run's own buffers and metrics; and
 in every run, each buffer holds exactly the columns its stage declares (flows/algorithms.py)."""
 
 from __future__ import annotations
@@ -147,11 +147,12 @@ def test_kl_loss_entropy_bonus_and_gspo(every_path: Run) -> None:
     assert max(run.series("actor/pg_clipfrac")) > 0  # the second PPO epoch's ratios leave the clip range
 
 
-@pytest.mark.effect_of("algorithm.kl_ctrl", "algorithm.kl_coef", "algorithm.kl_horizon")
+@pytest.mark.effect_of("algorithm.use_kl_in_reward", "algorithm.kl_ctrl", "algorithm.kl_coef", "algorithm.kl_horizon")
 def test_adaptive_kl_in_the_reward_and_remax_baseline(adaptive_kl_remax: Run) -> None:
-    """The in-reward KL is positive once the policy moved; the adaptive coefficient follows its
-    controller (KL below target: it falls); ReMax's advantage is reward-to-go minus the greedy
-    baseline's reward, which is constant within a group."""
+    """The in-reward KL is positive once the policy moved, and the rewards are the scores less the
+    iteration's coefficient times it; the adaptive coefficient follows its controller (KL below target:
+    it falls); ReMax's advantage is reward-to-go minus the greedy baseline's reward, which is constant
+    within a group."""
     run = adaptive_kl_remax
     coefs, kls = run.series("actor/kl_coef"), run.series("actor/reward_kl_penalty")
     assert coefs[0] == 0.05 and kls[0] == pytest.approx(0.0, abs=1e-6) and kls[1] > 0
@@ -164,6 +165,9 @@ def test_adaptive_kl_in_the_reward_and_remax_baseline(adaptive_kl_remax: Run) ->
         mask = adv["response_mask"]
         to_go = (adv["token_rewards"] * mask).flip(-1).cumsum(-1).flip(-1)
         close(adv["adv"], to_go - baseline.unsqueeze(1), mask)
+        # the KL in the reward: score - reward per token is coef x KL, its batch mean the reported KL's
+        in_reward = masked_mean((adv["token_scores"] - adv["token_rewards"]).double(), mask.double(), dim=-1).mean()
+        assert float(in_reward) == pytest.approx(coefs[i - 1] * kls[i - 1], rel=1e-4, abs=1e-6), i
         assert torch.equal(baseline.view(PROMPTS, N), baseline.view(PROMPTS, N)[:, :1].expand(PROMPTS, N))
         assert set(run.buffer(i, "baseline").keys()) == {"baseline_responses", "baseline_response_mask",
                                                           "baseline_response_text"}
@@ -194,9 +198,11 @@ def test_adaptive_kl_killed_and_resumed_has_the_same_kl_coef_series(cli: Cli, wa
 
 @pytest.mark.effect_of("algorithm.adv_estimator")
 def test_rloo(warm_cli: WarmCli, tiny_model_dir: Path, root: Path) -> None:
-    """adv = r_i - the mean of the other responses of its prompt."""
-    run = train(warm_cli, root, "rloo", tiny_model_dir, "algorithm.adv_estimator=rloo")
-    for i in range(1, ITERATIONS + 1):
+    """adv = r_i - the mean of the other responses of its prompt (one rank, one iteration: the formula is
+    of one iteration's scores, computed in the advantage stage, not on the ranks)."""
+    run = train(warm_cli, root, "rloo", tiny_model_dir, "algorithm.adv_estimator=rloo",
+                "trainer.world_size=1", iterations=1)
+    for i in range(1, run.iterations + 1):
         adv, score = run.buffer(i, "advantage"), run.buffer(i, "reward")["score"]
         per_group = score.view(PROMPTS, N)
         others = (per_group.sum(1, keepdim=True) - per_group) / (N - 1)
@@ -204,9 +210,11 @@ def test_rloo(warm_cli: WarmCli, tiny_model_dir: Path, root: Path) -> None:
 
 
 def test_reinforce_plus_plus(warm_cli: WarmCli, tiny_model_dir: Path, root: Path) -> None:
-    """REINFORCE++: the reward-to-go (gamma 1: the outcome score at every token), whitened over the batch."""
-    run = train(warm_cli, root, "rpp", tiny_model_dir, "algorithm.adv_estimator=reinforce_plus_plus")
-    for i in range(1, ITERATIONS + 1):
+    """REINFORCE++: the reward-to-go (gamma 1: the outcome score at every token), whitened over the batch
+    (one rank, one iteration, as test_rloo)."""
+    run = train(warm_cli, root, "rpp", tiny_model_dir, "algorithm.adv_estimator=reinforce_plus_plus",
+                "trainer.world_size=1", iterations=1)
+    for i in range(1, run.iterations + 1):
         adv, score = run.buffer(i, "advantage"), run.buffer(i, "reward")["score"]
         mask = adv["response_mask"]
         close(adv["returns"], score.unsqueeze(1).expand_as(mask).float(), mask)
@@ -217,10 +225,12 @@ def test_reinforce_plus_plus(warm_cli: WarmCli, tiny_model_dir: Path, root: Path
 @pytest.mark.effect_of("algorithm.extra_stages")
 def test_dr_grpo_with_a_user_stage_as_second_reward(warm_cli: WarmCli, tiny_model_dir: Path, root: Path) -> None:
     """Dr. GRPO: adv = r - the group mean (no std), Dr. GRPO's loss normalizer; the reward r is the rule
-    score plus 0.5 x the `brevity` stage declared in tests/pipeline/stages.py (no edit of the flow)."""
+    score plus 0.5 x the `brevity` stage declared in tests/pipeline/stages.py (no edit of the flow); one rank,
+    one iteration, as test_rloo."""
     run = train(warm_cli, root, "dr-grpo", tiny_model_dir, "algorithm.adv_estimator=dr_grpo",
-                "actor.loss_agg_mode=seq-mean-token-sum-norm", f"algorithm.extra_stages={HERE / 'stages.py'}:brevity")
-    for i in range(1, ITERATIONS + 1):
+                "actor.loss_agg_mode=seq-mean-token-sum-norm", f"algorithm.extra_stages={HERE / 'stages.py'}:brevity",
+                "trainer.world_size=1", iterations=1)
+    for i in range(1, run.iterations + 1):
         adv, rule = run.buffer(i, "advantage"), run.buffer(i, "reward")["score"]
         brevity = run.buffer(i, "brevity")["brevity"]
         combined = (rule + 0.5 * brevity).view(PROMPTS, N)
