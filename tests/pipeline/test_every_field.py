@@ -218,7 +218,7 @@ EFFECTS: dict[str, Run | Refused | AtStart | Asserted] = {
     "algorithm.gamma": Refused("0.5"),
     "algorithm.lam": Refused("0.5"),
     "algorithm.norm_adv_by_std": Run("false"),
-    "algorithm.use_kl_in_reward": Run("true"),
+    "algorithm.use_kl_in_reward": Asserted("tests/pipeline/test_algorithms.py::test_adaptive_kl_in_the_reward_and_remax_baseline"),
     "algorithm.kl_penalty": Run("k3", "kl"),
     "algorithm.kl_ctrl": Asserted("tests/pipeline/test_algorithms.py::test_adaptive_kl_in_the_reward_and_remax_baseline"),
     "algorithm.kl_coef": Asserted("tests/pipeline/test_algorithms.py::test_adaptive_kl_in_the_reward_and_remax_baseline"),
