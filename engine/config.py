@@ -626,7 +626,7 @@ def checked_reference(spec: str) -> str:
     """`absolute_file_spec(spec)`, checked without importing or running anything: the file (or the module,
     found on sys.path as the import system would find it) exists and defines `name` at its top level (read
     with ast). What it does is found out when it is imported, in the stage that runs it."""
-    from engine.imports import canonical_spec
+    from engine.imports import canonical_spec, parse_module
 
     spec = canonical_spec(absolute_file_spec(spec))
     target, sep, name = spec.rpartition(":")
@@ -641,7 +641,7 @@ def checked_reference(spec: str) -> str:
     if source is None:  # a module that is not Python source (built in, compiled): its names are found at import
         return spec
     try:
-        tree = ast.parse(source.read_bytes(), str(source))
+        tree = parse_module(source.read_bytes(), str(source))
     except (SyntaxError, ValueError) as err:
         raise ValueError(f"{source} is not valid Python: {getattr(err, 'msg', err)}") from None
     names = _top_level_names(tree.body)

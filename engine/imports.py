@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import importlib
 import importlib.util
 import os
+import threading
 from typing import Any
 
 from engine.errors import RLFlowError
@@ -14,6 +16,27 @@ from engine.errors import RLFlowError
 # Modules that moved when engine/ was grouped by role: a `module:name` spec written before names the old
 # module. run.json and deployments keep the specs they were given, so these resolve to the new one.
 MOVED = {"engine.builtin_tools": "engine.rollout.builtin_tools", "engine.tools": "engine.rollout.tools"}
+
+
+_PARSE_LOCK = threading.Lock()
+_RACE = "AST constructor recursion depth mismatch"
+
+
+def parse_module(source: str | bytes, filename: str = "<unknown>") -> ast.Module:
+    """`ast.parse`, safe beside other threads. CPython 3.11 keeps the AST constructor's recursion depth
+    in interpreter-wide state, and in a threaded process a parse can fail with "SystemError: AST
+    constructor recursion depth mismatch" although the source is fine (python/cpython#106905; seen once
+    here, in a deployed run's flow process checking its config's file references). Our own parses take
+    turns; one that still fails so is parsed again, twice at most: that error says nothing of the
+    source."""
+    with _PARSE_LOCK:
+        for _ in range(2):
+            try:
+                return ast.parse(source, filename)
+            except SystemError as err:
+                if _RACE not in str(err):
+                    raise
+        return ast.parse(source, filename)
 
 
 def canonical_spec(spec: str) -> str:
