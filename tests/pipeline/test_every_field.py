@@ -5,13 +5,15 @@ a value other than the default shows:
 
 - `Run(value, group)`: `rlflow train` with the value, one short iteration of the tiny model, computes
   something else than the same run without it: a buffer's tensors, a metric (timings and memory left
-  out), or a file's bytes (weights, trainer state, which files exist). For a setting of how the work
-  is cut (micro-batches, packing, activation checkpointing) that is the last bits of the weights (the
-  sums run in another order), which is what shows it is not ignored; that the result stays the same
-  to float precision is tests/engine/test_gradients.py's claim. `group` adds the settings the field
-  needs (LoRA for its alpha, the KL penalty for its estimator, ...); the run without the value is the
-  group's own. Two runs of the same config are first checked to fingerprint alike, so a difference is the
-  value's.
+  out), or a file's bytes (weights, trainer state, which files exist). `group` adds the settings the
+  field needs (the KL penalty for its estimator, ...); the run without the value is the group's own.
+  Two runs of the same config are first checked to fingerprint alike, so a difference is the value's.
+  A run costs ~10 s of process and engine starts: a field that acts inside a policy rank (the
+  optimizer, the update's layout and loss, LoRA, the rollout's cut) is `Asserted` by a rank set up
+  from the config in the test's own process instead (tests/pipeline/test_field_effects.py); for how
+  the work is cut (micro-batches, packing) the difference there is the last bits of the weights (the
+  sums run in another order), and that the result stays the same to float precision is
+  tests/engine/test_gradients.py's claim.
 - `Refused(value)`: the config with the value is refused in one line naming the field (its value would
   change nothing there: the critic's settings without a critic, ...).
 - `AtStart(value)`: `rlflow train` refuses it before anything is written, in one line naming the field
@@ -57,18 +59,14 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "base": (),
     "val": ("trainer.val_every=1",),
     "two": ("trainer.total_iterations=2",),
-    "cosine": ("trainer.total_iterations=2", "actor.lr_schedule=cosine"),
     "keep": ("trainer.total_iterations=2", "storage.keep_last=1"),
     "onestep": ("actor.mini_batch_size=8",),  # one optimizer step: auto reuses the update's log-probs
-    "epochs": ("actor.ppo_epochs=2",),
     "killed": ("debug.kill_rank_mid_update=0",),  # rank 0 dies in the update: the engine is restarted
-    "lora": ("actor.lora.rank=4",),
     "kl": ("trainer.total_iterations=2", "algorithm.use_kl_in_reward=true"),  # the KL of iteration 1 is 0
     # the controller's error is clipped to +-0.2: the target shows where the KL (that of iteration 1 is 0,
     # ~0.9 in iteration 2) falls on the other side of it than of the default 0.1
     "adaptive": ("trainer.total_iterations=2", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl=adaptive",
                  "algorithm.kl_penalty=k3"),
-    "klloss": ("actor.use_kl_loss=true",),
 }
 
 
@@ -99,7 +97,7 @@ FE = "tests/pipeline/test_field_effects.py"
 EFFECTS: dict[str, Run | Refused | AtStart | Asserted] = {
     "model.path": Run("{other_model}"),
     "model.tokenizer_path": Run("{other_tokenizer}"),
-    "model.dtype": Run("bfloat16"),
+    "model.dtype": Asserted(f"{FE}::test_the_update_follows_the_actor_settings"),
     "model.trust_remote_code": AtStart("true"),
     "model.tiny_seed": AtStart("1"),
     "data.train_files": Run("[{train_file}]"),
@@ -120,11 +118,11 @@ EFFECTS: dict[str, Run | Refused | AtStart | Asserted] = {
     "rollout.temperature": Asserted(f"{FE}::test_the_rollout_samples_with_the_rollout_settings"),
     "rollout.top_p": Asserted(f"{FE}::test_the_rollout_samples_with_the_rollout_settings"),
     "rollout.top_k": Asserted(f"{FE}::test_the_rollout_samples_with_the_rollout_settings"),
-    "rollout.max_new_tokens": Run("6"),
+    "rollout.max_new_tokens": Asserted(f"{FE}::test_a_ranks_rollout_follows_the_rollout_settings"),
     "rollout.partial_tokens": Asserted("tests/ops/test_async.py::test_partial_rollouts_continue_with_the_next_version"),
     "rollout.val_do_sample": Run("false", "val"),
-    "rollout.micro_batch_size": Run("3"),
-    "rollout.weights": Run("copy"),
+    "rollout.micro_batch_size": Asserted(f"{FE}::test_a_ranks_rollout_follows_the_rollout_settings"),
+    "rollout.weights": Asserted(f"{FE}::test_a_ranks_rollout_follows_the_rollout_settings"),
     "rollout.multi_turn.enable": Refused("true"),
     "rollout.multi_turn.tools": Asserted(f"{MT}::test_a_broken_tool_gives_error_observations"),
     "rollout.multi_turn.format": Refused("llama3_json"),
@@ -138,43 +136,43 @@ EFFECTS: dict[str, Run | Refused | AtStart | Asserted] = {
     "rollout.multi_turn.env_rollout_timeout_s": Refused("60"),
     "rollout.env": Refused("engine.rollout.builtin_envs:GuessNumber"),
     "rollout.agent": Refused("engine.rollout.builtin_agents:guess_number"),
-    "rollout.log_prob_max_tokens_per_micro_batch": Run("8"),
+    "rollout.log_prob_max_tokens_per_micro_batch": Asserted(f"{FE}::test_a_ranks_rollout_follows_the_rollout_settings"),
     "rollout.vllm.max_model_len": Refused("64"),
     "rollout.vllm.memory_share": Refused("0.1"),
     "rollout.vllm.kv_cache_gib": Refused("0.5"),
     "rollout.vllm.enforce_eager": Refused("false"),
-    "actor.lr": Run("3e-3"),
-    "actor.weight_decay": Run("0.1"),
-    "actor.betas": Run("[0.5,0.9]"),
-    "actor.warmup_steps": Run("2"),
-    "actor.lr_schedule": Run("cosine", "two"),
-    "actor.min_lr_ratio": Run("0.5", "cosine"),
-    "actor.grad_clip": Run("0.01"),
-    "actor.ppo_epochs": Run("2"),
-    "actor.mini_batch_size": Run("8"),
-    "actor.micro_batch_size": Run("2"),
+    "actor.lr": Asserted(f"{FE}::test_the_update_follows_the_actor_settings"),
+    "actor.weight_decay": Asserted(f"{FE}::test_the_update_follows_the_actor_settings"),
+    "actor.betas": Asserted(f"{FE}::test_the_update_follows_the_actor_settings"),
+    "actor.warmup_steps": Asserted(f"{FE}::test_the_update_follows_the_actor_settings"),
+    "actor.lr_schedule": Asserted(f"{FE}::test_the_update_follows_the_actor_settings"),
+    "actor.min_lr_ratio": Asserted(f"{FE}::test_the_update_follows_the_actor_settings"),
+    "actor.grad_clip": Asserted(f"{FE}::test_the_update_follows_the_actor_settings"),
+    "actor.ppo_epochs": Asserted(f"{FE}::test_the_update_follows_the_actor_settings"),
+    "actor.mini_batch_size": Asserted(f"{FE}::test_the_update_follows_the_actor_settings"),
+    "actor.micro_batch_size": Asserted(f"{FE}::test_the_update_follows_the_actor_settings"),
     "actor.reshard_after_forward": Refused("false"),
     "actor.grad_sync": Refused("optimizer_step"),
-    "actor.max_tokens_per_micro_batch": Run("40"),
-    "actor.packed_sequences": Run("true"),
-    "actor.mixed_precision": Run("bf16"),
-    "actor.gradient_checkpointing": Run("true"),
+    "actor.max_tokens_per_micro_batch": Asserted(f"{FE}::test_the_update_follows_the_actor_settings"),
+    "actor.packed_sequences": Asserted(f"{FE}::test_the_update_follows_the_actor_settings"),
+    "actor.mixed_precision": Asserted(f"{FE}::test_the_update_follows_the_actor_settings"),
+    "actor.gradient_checkpointing": Asserted(f"{FE}::test_gradient_checkpointing_recomputes_the_layers_in_the_backward"),
     "actor.cpu_offload": Refused("true"),
-    "actor.lora.rank": Run("4"),
-    "actor.lora.alpha": Run("8", "lora"),
-    "actor.lora.dropout": Run("0.1", "lora"),
-    "actor.lora.target_modules": Run("[q_proj]", "lora"),
+    "actor.lora.rank": Asserted(f"{FE}::test_the_update_follows_the_actor_settings"),
+    "actor.lora.alpha": Asserted(f"{FE}::test_the_update_follows_the_actor_settings"),
+    "actor.lora.dropout": Asserted(f"{FE}::test_the_update_follows_the_actor_settings"),
+    "actor.lora.target_modules": Asserted(f"{FE}::test_the_update_follows_the_actor_settings"),
     "actor.lora.modules_to_save": Asserted("tests/engine/test_lora.py::test_modules_to_save_train_in_full_next_to_the_adapters"),
     "actor.policy_loss": Asserted(f"{FE}::test_the_update_gradient_follows_the_loss_settings"),
     "actor.clip_low": Asserted(f"{FE}::test_the_update_gradient_follows_the_loss_settings"),
-    "actor.clip_high": Run("0.001", "epochs"),
-    "actor.clip_ratio_c": Run("1.001"),
+    "actor.clip_high": Asserted(f"{FE}::test_the_update_follows_the_actor_settings"),
+    "actor.clip_ratio_c": Asserted(f"{FE}::test_the_update_follows_the_actor_settings"),
     "actor.loss_agg_mode": Asserted(f"{FE}::test_the_update_gradient_follows_the_loss_settings"),
-    "actor.use_kl_loss": Run("true"),
+    "actor.use_kl_loss": Asserted(f"{FE}::test_the_update_follows_the_actor_settings"),
     "actor.kl_loss_coef": Asserted(f"{FE}::test_the_update_gradient_follows_the_loss_settings"),
-    "actor.kl_loss_type": Run("k1", "klloss"),
+    "actor.kl_loss_type": Asserted(f"{FE}::test_the_update_follows_the_actor_settings"),
     "actor.entropy_coeff": Asserted(f"{FE}::test_the_update_gradient_follows_the_loss_settings"),
-    "actor.share_prompts": Run("false"),
+    "actor.share_prompts": Asserted(f"{FE}::test_the_update_follows_the_actor_settings"),
     "actor.rollout_correction.mode": Asserted(f"{FE}::test_the_update_gradient_follows_the_loss_settings"),
     "actor.rollout_correction.level": Refused("sequence"),
     "actor.rollout_correction.upper": Refused("1.5"),

@@ -1,9 +1,12 @@
 """What a setting changes, at the place where it acts, from the config as `load_config` builds it: the
 prompts a stage draws (tasks.context), the rollout's sampling (policy.generate_batch), the update's
-gradient (PolicyWorker.gradients), the room the engine asks the cluster for (engine.check_fits). Each
-test is marked `effect_of` with the fields it shows; tests/pipeline/test_every_field.py names it for them.
+gradient (PolicyWorker.gradients), the room the engine asks the cluster for (engine.check_fits), and a
+policy rank set up from the config (PolicyWorker.setup: its rollout, log-probs, weight sync and two
+updates of the tiny model). Each test is marked `effect_of` with the fields it shows;
+tests/pipeline/test_every_field.py names it for them.
 
-No Ray, no run: the tiny model's files, a local storage root in tmp_path, one process.
+No Ray, no run: the tiny model's files, a local storage root in tmp_path, one process (a torch.distributed
+group of one for the rank).
 """
 
 from __future__ import annotations
@@ -366,3 +369,182 @@ def test_the_engines_pools_follow_the_placement_settings() -> None:
     assert fits("trainer.world_size=4") == "policy pool 4 x 2 = 8 CPUs"
     assert fits("placement.cpus_per_rank=3") == "policy pool 2 x 3 = 6 CPUs"
     assert fits("placement.mode=split") == "policy pool 2 x 2 + rollout pool 1 x 2 = 6 CPUs"
+
+
+# -- the update's weights: PolicyWorker.setup and update_actor with the policy spec flows.plan builds ---
+
+@pytest.fixture(scope="module")
+def one_rank() -> Any:
+    """A torch.distributed group of one, in this process: FSDP2 and the update's collectives run the
+    code a one-rank engine runs, without Ray."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.fail("this process already has a torch.distributed group")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+# One update as test_every_field's runs make it (2 prompts x 4 responses, micro- and mini-batches of 4, so
+# two optimizer steps), applied twice: Adam's betas and the schedule act from the second step.
+UPDATE = ("trainer.total_iterations=2", "data.train_batch_size=2", "rollout.n=4", "actor.mini_batch_size=4",
+          "actor.micro_batch_size=4", "rollout.max_new_tokens=8", "actor.lr=1e-3")
+
+
+def policy_rank(tiny_model_dir: Path, *settings: str) -> Any:
+    """A PolicyWorker set up (models loaded and sharded, optimizer and schedule built) from the config
+    with the settings, through flows.plan.engine_spec as a run builds its engine."""
+    from engine.workers.policy import PolicyWorker
+    from flows.plan import engine_spec
+
+    cfg: RLConfig = load_config(None, [f"model.path={tiny_model_dir}", REWARD, *UPDATE, *settings])
+    spec = engine_spec(cfg, "u", str(tiny_model_dir), str(tiny_model_dir)).policy
+    worker = PolicyWorker(spec=spec.model_dump(), run_id="u", role="policy", rank=0, world_size=1,
+                          config_hash="u", num_threads=torch.get_num_threads())
+    worker.setup()
+    return worker
+
+
+@pytest.fixture(scope="module")
+def rank_prompts(tiny_model_dir: Path) -> Batch:
+    """2 prompts, each 4 times in a row."""
+    from engine.models.loading import load_tokenizer
+    from engine.models.tokens import encode_prompts
+
+    enc = encode_prompts(load_tokenizer(str(tiny_model_dir)), [[{"role": "user", "content": "sort 3 1 2"}],
+                                                               [{"role": "user", "content": "sort 9 7 8 5"}]])
+    return Batch({"input_ids": enc.input_ids, "attention_mask": enc.attention_mask}, {}).repeat_interleave(4)
+
+
+@pytest.fixture(scope="module")
+def update_inputs(one_rank: None, tiny_model_dir: Path, rank_prompts: Batch) -> Batch:
+    """What iteration 1's update reads, made by a rank of the base config: 2 prompts x 4 sampled responses,
+    their old log-probs, the reference's (the same weights at iteration 1: equal), advantages of both
+    signs."""
+    worker = policy_rank(tiny_model_dir)
+    batch = worker.generate(rank_prompts, iteration=1, expected_version=0)
+    logp = worker.compute_log_prob(batch, expected_version=0)
+    mask = batch["response_mask"].float()
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, -1.5, 1.5, 0.25, -0.25])[:, None] * mask
+    return batch.with_tensors(old_logp=logp["old_logp"], entropy=logp["entropy"], ref_logp=logp["old_logp"],
+                              adv=adv)
+
+
+def sha256(tensors: dict[str, torch.Tensor]) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, value in sorted(tensors.items()):
+        digest.update(name.encode() + value.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def updated(tiny_model_dir: Path, batch: Batch, *settings: str) -> dict[str, str]:
+    """The weights that train (sha256) and each update's metrics, after iterations 1 and 2 on `batch`."""
+    worker = policy_rank(tiny_model_dir, *settings)
+    metrics = [worker.update_actor(batch, iteration=k, expected_version=k - 1) for k in (1, 2)]
+    return {"weights": sha256(worker.trainable_weights()), **{f"{k} {key}": f"{v:.9g}" for k, m in enumerate(metrics, 1)
+                                             for key, v in sorted(m.items()) if not key.startswith("timing_s/")}}
+
+
+# (the group's settings, the setting): the update with the setting differs from the group's own
+UPDATE_EFFECTS: list[tuple[tuple[str, ...], str]] = [
+    ((), "model.dtype=bfloat16"),
+    ((), "actor.lr=3e-3"),
+    ((), "actor.weight_decay=0.1"),
+    ((), "actor.betas=[0.5,0.9]"),
+    ((), "actor.warmup_steps=2"),
+    ((), "actor.lr_schedule=cosine"),
+    (("actor.lr_schedule=cosine",), "actor.min_lr_ratio=0.5"),
+    ((), "actor.grad_clip=0.01"),
+    ((), "actor.ppo_epochs=2"),
+    ((), "actor.mini_batch_size=8"),
+    ((), "actor.micro_batch_size=2"),
+    ((), "actor.max_tokens_per_micro_batch=40"),
+    ((), "actor.packed_sequences=true"),
+    ((), "actor.mixed_precision=bf16"),
+    ((), "actor.gradient_checkpointing=true"),  # the padded layout; its recomputation: the next test
+    ((), "actor.lora.rank=4"),
+    (("actor.lora.rank=4",), "actor.lora.alpha=8"),
+    (("actor.lora.rank=4",), "actor.lora.dropout=0.1"),
+    (("actor.lora.rank=4",), "actor.lora.target_modules=[q_proj]"),
+    ((), "actor.clip_high=0.001"),
+    ((), "actor.clip_ratio_c=1.001"),
+    ((), "actor.use_kl_loss=true"),
+    (("actor.use_kl_loss=true",), "actor.kl_loss_type=k1"),
+    ((), "actor.share_prompts=false"),
+]
+
+
+@pytest.mark.effect_of("model.dtype", "actor.lr", "actor.weight_decay", "actor.betas", "actor.warmup_steps",
+                       "actor.lr_schedule", "actor.min_lr_ratio", "actor.grad_clip", "actor.ppo_epochs",
+                       "actor.mini_batch_size", "actor.micro_batch_size", "actor.max_tokens_per_micro_batch",
+                       "actor.packed_sequences", "actor.mixed_precision", "actor.gradient_checkpointing",
+                       "actor.lora.rank", "actor.lora.alpha", "actor.lora.dropout", "actor.lora.target_modules",
+                       "actor.clip_high", "actor.clip_ratio_c", "actor.use_kl_loss", "actor.kl_loss_type",
+                       "actor.share_prompts")
+def test_the_update_follows_the_actor_settings(tiny_model_dir: Path, update_inputs: Batch) -> None:
+    """Each setting, from the config through flows.plan.engine_spec into a policy rank's setup and two
+    updates of the tiny model: the weights that train or the update's metrics differ from those of the
+    same updates without it (for how the work is cut, micro-batches, packing, checkpointing, that is the
+    last bits of the weights: the sums run in another order). The same settings twice give the same."""
+    runs: dict[tuple[str, ...], dict[str, str]] = {}
+
+    def run(*settings: str) -> dict[str, str]:
+        if settings not in runs:
+            runs[settings] = updated(tiny_model_dir, update_inputs, *settings)
+        return runs[settings]
+
+    assert run() == updated(tiny_model_dir, update_inputs)
+    unchanged = []
+    for group, setting in UPDATE_EFFECTS:
+        if run(*group) == run(*group, setting):
+            unchanged.append(setting)
+    assert not unchanged, f"changed nothing the update computes: {unchanged}"
+
+
+def layer_calls(tiny_model_dir: Path, batch: Batch, *settings: str) -> int:
+    """How many times the first decoder layer's forward runs in one update."""
+    worker = policy_rank(tiny_model_dir, *settings)
+    layer = next(m for m in worker.actor.modules() if type(m).__name__.endswith("DecoderLayer"))
+    calls = []
+    layer.register_forward_pre_hook(lambda *_: calls.append(1))
+    worker.update_actor(batch, iteration=1, expected_version=0)
+    return len(calls)
+
+
+@pytest.mark.effect_of("actor.gradient_checkpointing")
+def test_gradient_checkpointing_recomputes_the_layers_in_the_backward(tiny_model_dir: Path,
+                                                                      update_inputs: Batch) -> None:
+    """actor.gradient_checkpointing: each decoder layer's forward runs again in the backward (its
+    activations were not kept), so twice per micro-batch; once without. The padded layout in both (with
+    checkpointing the prompts are not shared: test_the_update_follows_the_actor_settings sees that)."""
+    once = layer_calls(tiny_model_dir, update_inputs, "actor.share_prompts=false")
+    assert once == 2  # two micro-batches
+    assert layer_calls(tiny_model_dir, update_inputs, "actor.share_prompts=false",
+                       "actor.gradient_checkpointing=true") == 2 * once
+
+
+
+@pytest.mark.effect_of("rollout.max_new_tokens", "rollout.micro_batch_size", "rollout.weights",
+                       "rollout.log_prob_max_tokens_per_micro_batch")
+def test_a_ranks_rollout_follows_the_rollout_settings(one_rank: None, tiny_model_dir: Path,
+                                                      rank_prompts: Batch) -> None:
+    """On a policy rank set up from the config: the responses' length bound; the generation's micro-batches
+    (each with a sampling seed of its own, so other draws); a rollout copy that the sync fills (rather than
+    generating from the actor itself, nothing to sync); the old log-probs' token budget per micro-batch."""
+    def rolled_out(*settings: str) -> dict[str, Any]:
+        worker = policy_rank(tiny_model_dir, *settings)
+        batch = worker.generate(rank_prompts, iteration=1, expected_version=0)
+        logp = worker.compute_log_prob(batch, expected_version=0)
+        return {"width": batch["responses"].shape[1], "responses": sha256(batch.tensors),
+                "old_logp micro-batches": logp.meta["micro_batches"],
+                "sync MB": worker.sync_rollout_weights()["perf/weight_sync_mb"]}
+
+    base = rolled_out()
+    assert base["width"] == 8 and base["old_logp micro-batches"] == 2 and base["sync MB"] == 0
+    assert rolled_out("rollout.max_new_tokens=6")["width"] == 6
+    assert rolled_out("rollout.micro_batch_size=3")["responses"] != base["responses"]
+    assert rolled_out("rollout.weights=copy")["sync MB"] > 0.01
+    assert rolled_out("rollout.log_prob_max_tokens_per_micro_batch=40")["old_logp micro-batches"] > 2
