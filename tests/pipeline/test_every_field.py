@@ -62,7 +62,6 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "keep": ("trainer.total_iterations=2", "storage.keep_last=1"),
     "onestep": ("actor.mini_batch_size=8",),  # one optimizer step: auto reuses the update's log-probs
     "killed": ("debug.kill_rank_mid_update=0",),  # rank 0 dies in the update: the engine is restarted
-    "kl": ("trainer.total_iterations=2", "algorithm.use_kl_in_reward=true"),  # the KL of iteration 1 is 0
     # the controller's error is clipped to +-0.2: the target shows where the KL (that of iteration 1 is 0,
     # ~0.9 in iteration 2) falls on the other side of it than of the default 0.1
     "adaptive": ("trainer.total_iterations=2", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl=adaptive",
@@ -215,9 +214,9 @@ EFFECTS: dict[str, Run | Refused | AtStart | Asserted] = {
     "algorithm.adv_estimator": Asserted("tests/pipeline/test_algorithms.py::test_rloo"),
     "algorithm.gamma": Refused("0.5"),
     "algorithm.lam": Refused("0.5"),
-    "algorithm.norm_adv_by_std": Run("false"),
+    "algorithm.norm_adv_by_std": Asserted(f"{FE}::test_the_advantages_follow_the_algorithm_settings"),
     "algorithm.use_kl_in_reward": Asserted("tests/pipeline/test_algorithms.py::test_adaptive_kl_in_the_reward_and_remax_baseline"),
-    "algorithm.kl_penalty": Run("k3", "kl"),
+    "algorithm.kl_penalty": Asserted(f"{FE}::test_the_advantages_follow_the_algorithm_settings"),
     "algorithm.kl_ctrl": Asserted("tests/pipeline/test_algorithms.py::test_adaptive_kl_in_the_reward_and_remax_baseline"),
     "algorithm.kl_coef": Asserted("tests/pipeline/test_algorithms.py::test_adaptive_kl_in_the_reward_and_remax_baseline"),
     "algorithm.kl_target": Run("100", "adaptive"),

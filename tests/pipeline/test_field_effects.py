@@ -548,3 +548,34 @@ def test_a_ranks_rollout_follows_the_rollout_settings(one_rank: None, tiny_model
     assert rolled_out("rollout.micro_batch_size=3")["responses"] != base["responses"]
     assert rolled_out("rollout.weights=copy")["sync MB"] > 0.01
     assert rolled_out("rollout.log_prob_max_tokens_per_micro_batch=40")["old_logp micro-batches"] > 2
+
+
+# -- the advantages: the advantage stage's math with the run plan's algorithm section -----------------
+
+@pytest.mark.effect_of("algorithm.norm_adv_by_std", "algorithm.kl_penalty")
+def test_the_advantages_follow_the_algorithm_settings(open_plan: Any) -> None:
+    """engine.advantage.compute_advantages (what the compute_advantages stage calls) with the algorithm
+    section of a run opened with the settings: GRPO's advantages divided by the group's standard
+    deviation or not; the KL in the reward estimated per token as k1 (log-ratio) or k3."""
+    from engine.advantage import compute_advantages
+
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]])
+    scores = torch.zeros(4, 3)
+    scores[[0, 1, 2, 3], [2, 1, 0, 2]] = torch.tensor([1.0, 0.0, 0.5, 0.0])  # at each response's last token
+    old_logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.2, -3.0, 0.0], [-1.5, 0.0, 0.0], [-0.7, -0.1, -2.2]])
+    batch = Batch({"response_mask": mask, "token_scores": scores, "group_id": torch.zeros(4, dtype=torch.long),
+                   "old_logp": old_logp, "ref_logp": old_logp * 1.3 - 0.2}, {})
+
+    def advantages(*settings: str) -> Batch:
+        return compute_advantages(batch, open_plan(*settings).algorithm, 0.1)[0]
+
+    base = advantages()
+    unscaled = advantages("algorithm.norm_adv_by_std=false")
+    std = float(torch.tensor([1.0, 0.0, 0.5, 0.0]).std())
+    torch.testing.assert_close(unscaled["adv"] * mask, base["adv"] * mask * std, atol=1e-5, rtol=1e-4)
+    k1 = advantages("algorithm.use_kl_in_reward=true")
+    k3 = advantages("algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=k3")
+    ratio = (old_logp * 0.3 - 0.2) * mask  # log ref - log pi, per token
+    torch.testing.assert_close(k1["token_rewards"], scores - 0.1 * (-ratio), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(k3["token_rewards"], scores - 0.1 * (ratio.exp() - 1 - ratio) * mask,
+                               atol=1e-6, rtol=1e-5)
