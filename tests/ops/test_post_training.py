@@ -216,7 +216,7 @@ def test_retry_then_kill_and_resume(served: dict[str, Any], warm_cli: WarmCli, p
         assert stopped.returncode == 0, stopped.stdout[-2000:] + stopped.stderr[-2000:]
         retried = subflow_runs(prefect, run.id)[-1]
         iteration = [r for r in subflow_runs(prefect, retried.id) if r.name == "iter-000002"]
-        states = task_states(prefect, iteration[0].id)
+        states = task_states(prefect, iteration[0].id, (*reused, "update_policy"))
         assert {s: states.get(s) for s in reused} == dict.fromkeys(reused, "Cached"), states
         assert states.get("update_policy") == "Completed", states
         path, *kept = before[objective]

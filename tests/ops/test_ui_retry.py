@@ -105,7 +105,7 @@ def assert_retried(prefect: Any, server: Server, run: Any, root: Path, rollout: 
     assert retried.parameters["resume"] == run.parameters["lineage"]
     iteration = [r for r in subflow_runs(prefect, retried.id) if r.name == "iter-000002"]
     assert len(iteration) == 1
-    states = task_states(prefect, iteration[0].id)
+    states = task_states(prefect, iteration[0].id, (*REUSED, "update_policy"))
     assert {stage: states.get(stage) for stage in REUSED} == dict.fromkeys(REUSED, "Cached"), states
     assert states.get("update_policy") == "Completed", states
     name = run.parameters["lineage"]

@@ -142,7 +142,7 @@ def test_a_worker_executes_a_run_and_its_retry_reuses_finished_stages(
     assert done.run_count == 2
     retried = subflow_runs(prefect, run.id)[-1]
     iteration = [r for r in subflow_runs(prefect, retried.id) if r.name == "iter-000002"]
-    states = task_states(prefect, iteration[0].id)
+    states = task_states(prefect, iteration[0].id, REUSED)
     assert {stage: states.get(stage) for stage in REUSED} == dict.fromkeys(REUSED, "Cached"), states
     assert (rollout.stat().st_mtime_ns, rollout.read_bytes()) == before  # not regenerated
     assert len(pd.read_parquet(rollout)["env_reward"]) == 16  # the environment's episodes, kept
