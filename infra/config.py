@@ -6,7 +6,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-
 # Each numeric setting has both ends (a range a real run could use; tests/test_config.py walks them).
 DAY_S = 86400.0
 HOUR_S = 3600.0
