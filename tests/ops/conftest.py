@@ -137,14 +137,14 @@ def subflow_runs(client: Any, parent_id: Any) -> list[Any]:
     return sorted(runs, key=lambda r: r.created)
 
 
-def task_states(client: Any, flow_run_id: Any, expect: Iterable[str] = (), timeout: float = 60.0) -> dict[str, str]:
+def task_states(client: Any, flow_run_id: Any, expect: Iterable[str] = (), timeout_s: float = 60.0) -> dict[str, str]:
     """{task name: state name} of a flow run's task runs (a stage's name without Prefect's `-<n>`), once
-    every task named in `expect` is listed in a final state or `timeout` s have passed. Task runs reach
+    every task named in `expect` is listed in a final state or `timeout_s` have passed. Task runs reach
     the server as events that its recorder writes asynchronously: under load a finished flow run's
     first task runs were seen missing from the list for a while (CI, 2026-12-07)."""
     from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
 
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + timeout_s
     while True:
         runs = client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[flow_run_id])))
         states = {r.name.rsplit("-", 1)[0]: r.state for r in runs if r.state is not None}
